@@ -1,0 +1,1 @@
+"""Readable single-device reference implementations, one folder per family. Never imports optimized/."""

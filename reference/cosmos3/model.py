@@ -327,3 +327,31 @@ class Cosmos3Transformer(nn.Module):
             pred.action = action
             record("pred.action", action)
         return pred
+
+
+def run_layer(model: Cosmos3Transformer, index: int, und: torch.Tensor, gen: torch.Tensor,
+              position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder layer `index` alone on given streams (for component parity)."""
+    cos, sin = mrope_cos_sin(model.cfg, position_ids, und.dtype)
+    n = und.shape[0]
+    with torch.no_grad():
+        return model.layers[index](und, gen, (cos[:n], sin[:n]), (cos[n:], sin[n:]))
+
+
+def load_transformer(cfg: Cosmos3Config, state: dict[str, torch.Tensor], device: str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> Cosmos3Transformer:
+    """Build from a canonical state dict (strict), cast to `dtype` except the fp32 time embedder."""
+    model = Cosmos3Transformer(cfg)
+    expected = dict(model.state_dict())
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"cosmos3 checkpoint does not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise ValueError(f"cosmos3 checkpoint: {k} has shape {list(v.shape)}, expected {list(expected[k].shape)}")
+    model.load_state_dict(state, strict=True)
+    model.to(device=device, dtype=dtype)
+    model.time_embed.float()  # upstream keeps the time embedder in fp32
+    return model.eval()

@@ -1,0 +1,295 @@
+"""Weight readers: single safetensors, sharded safetensors (index json), torch pickles (weights_only).
+
+Readers list keys/shapes/dtypes from headers without loading tensors (safetensors), and hand out one
+tensor at a time, so a conversion holds at most one source tensor in memory (a torch pickle is the
+exception: it is loaded whole, memory-mapped where the file format allows).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from converters.errors import ConversionError, name_some
+
+# safetensors header dtype tags <-> torch dtypes (names as `str(dtype)` without "torch.")
+ST_TO_TORCH: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _tag, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+                    ("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _name):
+        ST_TO_TORCH[_tag] = getattr(torch, _name)
+TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def dtype_name(d: torch.dtype | str) -> str:
+    if isinstance(d, str):
+        return ST_TO_TORCH[d].__repr__().removeprefix("torch.") if d in ST_TO_TORCH else d
+    return str(d).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise ConversionError(f"unknown dtype {name!r}")
+    return d
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    key: str
+    file: Path
+    dtype: str                  # "float32", "bfloat16", ... (or the raw safetensors tag if torch lacks it)
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class WeightReader:
+    """Keys, shapes and dtypes of a checkpoint's tensors; `get(key)` loads one tensor."""
+
+    kind: str = ""
+    files: list[Path]         # every file read (for hashing), weights and index
+    description: str = ""
+
+    def infos(self) -> dict[str, TensorInfo]:
+        raise NotImplementedError
+
+    def get(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "WeightReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _safe_open(path: Path):
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise ConversionError(f"{path}: safetensors file not found")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError: header corrupt, file truncated, not safetensors
+        raise ConversionError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+class SafetensorsReader(WeightReader):
+    """One safetensors file, or the shards named by a `*.safetensors.index.json`."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._handles: dict[Path, object] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        if self.path.name.endswith(".index.json"):
+            self.kind = "safetensors_index"
+            shards = self._read_index(self.path)
+            self.files = [self.path] + shards
+            self.description = f"sharded safetensors ({len(shards)} shards, index {self.path.name})"
+        else:
+            self.kind = "safetensors"
+            shards = [self.path]
+            self.files = [self.path]
+            self.description = "single safetensors file"
+        self._scan(shards)
+
+    def _read_index(self, index: Path) -> list[Path]:
+        def no_dupes(pairs):
+            seen: dict = {}
+            for k, v in pairs:
+                if k in seen:
+                    raise ConversionError(f"{index}: key {k!r} is listed twice in the index "
+                                          f"(-> {seen[k]!r} and {v!r})")
+                seen[k] = v
+            return seen
+
+        try:
+            data = json.loads(index.read_text(), object_pairs_hook=no_dupes)
+        except FileNotFoundError:
+            raise ConversionError(f"{index}: index file not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{index}: invalid JSON ({e})") from None
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise ConversionError(f"{index}: expected an object with a non-empty 'weight_map'")
+        self._index_map: dict[str, Path] = {}
+        shards: list[Path] = []
+        for k, f in wm.items():
+            if not isinstance(f, str) or not f or "/" in f or "\\" in f or f in (".", ".."):
+                raise ConversionError(f"{index}: key {k!r} maps to {f!r}, which is not a plain shard file name")
+            p = index.parent / f
+            self._index_map[k] = p
+            if p not in shards:
+                shards.append(p)
+        absent = [p.name for p in shards if not p.is_file()]
+        if absent:
+            raise ConversionError(f"{index}: shard file(s) named in the index are missing: {name_some(absent)}")
+        return shards
+
+    def _scan(self, shards: list[Path]) -> None:
+        for shard in shards:
+            h = _safe_open(shard)
+            self._handles[shard] = h
+            try:
+                keys = list(h.keys())
+            except Exception as e:
+                raise ConversionError(f"{shard}: cannot list tensors ({e})") from None
+            for k in keys:
+                if k in self._infos:
+                    raise ConversionError(f"duplicate key {k!r}: present in shard {self._infos[k].file.name} "
+                                          f"and in shard {shard.name}")
+                try:
+                    sl = h.get_slice(k)
+                    tag, shape = sl.get_dtype(), tuple(int(s) for s in sl.get_shape())
+                except Exception as e:
+                    raise ConversionError(f"{shard}: key {k!r}: unreadable header entry ({e})") from None
+                self._infos[k] = TensorInfo(k, shard, dtype_name(tag), shape)
+        if self.kind == "safetensors_index":
+            idx = self._index_map
+            wrong = [k for k, inf in self._infos.items() if k in idx and idx[k] != inf.file]
+            if wrong:
+                k = wrong[0]
+                raise ConversionError(f"{self.path}: key {k!r} is indexed in {idx[k].name} but stored in "
+                                      f"{self._infos[k].file.name}")
+            not_stored = [k for k in idx if k not in self._infos]
+            if not_stored:
+                k = not_stored[0]
+                raise ConversionError(f"{self.path}: key {k!r} is indexed in {idx[k].name}, which does not hold it"
+                                      + (f" ({len(not_stored)} such keys)" if len(not_stored) > 1 else ""))
+            not_indexed = [k for k in self._infos if k not in idx]
+            if not_indexed:
+                k = not_indexed[0]
+                raise ConversionError(f"{self._infos[k].file}: key {k!r} is stored in the shard but not listed in "
+                                      f"{self.path.name}" + (f" ({len(not_indexed)} such keys)" if len(not_indexed) > 1 else ""))
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return dict(self._infos)
+
+    def get(self, key: str) -> torch.Tensor:
+        inf = self._infos.get(key)
+        if inf is None:
+            raise ConversionError(f"{self.path}: no tensor {key!r}")
+        try:
+            return self._handles[inf.file].get_tensor(key)
+        except Exception as e:
+            raise ConversionError(f"{inf.file}: key {key!r}: cannot read tensor data ({type(e).__name__}: {e})") from None
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class TorchReader(WeightReader):
+    """A `.pt/.pth/.bin` pickle holding a flat {str: Tensor} dict, loaded with `weights_only=True`."""
+
+    kind = "torch"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.files = [self.path]
+        self.description = "torch pickle (weights_only)"
+        if not self.path.is_file():
+            raise ConversionError(f"{self.path}: file not found")
+        obj = self._load()
+        if not isinstance(obj, dict):
+            raise ConversionError(f"{self.path}: expected a flat dict of tensors (a state dict), "
+                                  f"got {type(obj).__name__}")
+        self._sd: dict[str, torch.Tensor] = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ConversionError(f"{self.path}: state dict key {k!r} is not a string")
+            if isinstance(v, dict):
+                raise ConversionError(f"{self.path}: key {k!r} holds a nested dict, not a tensor; expected a flat "
+                                      f"state dict (extract it first, e.g. torch.save(ckpt[{k!r}], ...))")
+            if not isinstance(v, torch.Tensor):
+                raise ConversionError(f"{self.path}: key {k!r} holds a {type(v).__name__}, not a tensor; "
+                                      f"expected a flat state dict")
+            self._sd[k] = v
+
+    def _load(self):
+        kw = dict(map_location="cpu", weights_only=True)
+        try:
+            try:
+                return torch.load(str(self.path), mmap=zipfile.is_zipfile(self.path), **kw)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                return torch.load(str(self.path), **kw)
+        except pickle.UnpicklingError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConversionError(f"{self.path}: not a plain tensor state dict; torch.load(weights_only=True) "
+                                  f"refused it ({first})") from None
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ConversionError(f"{self.path}: cannot load as a torch checkpoint ({type(e).__name__}: {first})") from None
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {k: TensorInfo(k, self.path, dtype_name(v.dtype), tuple(v.shape)) for k, v in self._sd.items()}
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self._sd:
+            raise ConversionError(f"{self.path}: no tensor {key!r}")
+        return self._sd[key]
+
+    def close(self) -> None:
+        self._sd = {}
+
+
+def weight_kind_of(path: Path) -> str | None:
+    n = path.name
+    if n.endswith(".safetensors.index.json") or n.endswith(".index.json"):
+        return "safetensors_index"
+    if n.endswith(".safetensors"):
+        return "safetensors"
+    if n.endswith(TORCH_SUFFIXES):
+        return "torch"
+    return None
+
+
+def open_weights(kind: str, path: Path) -> WeightReader:
+    if kind in ("safetensors", "safetensors_index"):
+        return SafetensorsReader(path)
+    if kind == "torch":
+        return TorchReader(path)
+    raise ConversionError(f"{path}: unknown weight file kind {kind!r}")
+
+
+def hash_files(paths: Iterable[Path], chunk: int = 1 << 22) -> list[dict]:
+    import hashlib
+
+    out = []
+    for p in paths:
+        h = hashlib.sha256()
+        n = 0
+        try:
+            with open(p, "rb") as f:
+                while True:
+                    b = f.read(chunk)
+                    if not b:
+                        break
+                    h.update(b)
+                    n += len(b)
+        except OSError as e:
+            raise ConversionError(f"{p}: cannot read ({e.strerror or e})") from None
+        out.append({"path": str(p), "bytes": n, "sha256": h.hexdigest()})
+    return out

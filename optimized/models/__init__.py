@@ -1,0 +1,1 @@
+"""Per-family fast implementations: `optimized.models.<family>` = spec + packing + fast model."""

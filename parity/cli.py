@@ -1,0 +1,141 @@
+"""`fvparity`: run the parity ladder for a model family, list what exists, check upstream goldens.
+
+Exit codes: 0 every check passed; 1 a parity check failed; 2 usage or setup error, or a level that is
+not implemented for the family (never a silent pass).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from parity.errors import SetupError
+from parity.families import FAMILIES, get_family
+from parity.report import Report
+
+LEVEL_HELP = {
+    "C0": "component parity: packing, position ids, one decoder layer, full forward, batching, und cache",
+    "C1": "loop parity: the denoise trajectory step by step (not implemented yet)",
+    "C2": "logprob identity of a rollout vs its recompute (not implemented yet)",
+    "C3": "rollout distributions, two-sample test (not implemented yet)",
+    "C4": "decoded artifacts: SSIM/PSNR of frames, SNR of audio (not implemented yet)",
+}
+
+
+def _fail_setup(msg: str) -> None:
+    click.echo(f"fvparity: error: {msg}", err=True)
+    sys.exit(2)
+
+
+def _emit(report: Report, json_path: str | None) -> None:
+    click.echo(report.table())
+    click.echo(report.summary())
+    if json_path:
+        report.write_json(json_path)
+        click.echo(f"wrote {json_path}")
+    sys.exit(0 if report.passed else 1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Diff the readable reference against the optimized v2 runtime (and both against upstream goldens).
+
+    \b
+    fvparity list                              families, variants, implemented levels, planted faults
+    fvparity run cosmos3 --level C0            built-in tiny variants, seeded random weights, CPU
+    fvparity run cosmos3 --level C0 --checkpoint OUT   weights converted with fvconvert
+    fvparity golden golden/cosmos3/*           compare both sides with upstream-produced cases
+    """
+
+
+@cli.command("list")
+def list_cmd() -> None:
+    """Show families, their variants, which parity levels are implemented and the planted faults."""
+    from tabulate import tabulate
+
+    rows = []
+    for name, fam in FAMILIES.items():
+        levels = " ".join(f"{lv}{'' if lv in fam.LEVELS else '(-)'}" for lv in LEVEL_HELP)
+        rows.append([name, ", ".join(fam.variants()), ", ".join(fam.DEFAULT_VARIANTS), levels,
+                     ", ".join(fam.FAULTS)])
+    click.echo(tabulate(rows, headers=["family", "variants", "default (run)", "levels ((-) = not yet)",
+                                       "planted faults (--plant-fault)"]))
+
+
+@cli.command("run")
+@click.argument("family")
+@click.option("--level", required=True, type=click.Choice(list(LEVEL_HELP)), help="Parity level to run.")
+@click.option("--variant", "variants", multiple=True,
+              help="Variant(s) to check (repeatable). Default: the family's tiny variants. Released sizes "
+                   "(e.g. nano) are only sensible on a GPU.")
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
+              help="A canonical checkpoint directory written by fvconvert, used instead of random weights.")
+@click.option("--device", default="cpu", show_default=True, help="torch device, e.g. cpu or cuda.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "all"]), default="all", show_default=True,
+              help="Precision(s) to check; each uses the ParityContract tolerance for that dtype.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for random weights and inputs.")
+@click.option("--plant-fault", "fault", default=None,
+              help="Negative control: plant a named fault in the optimized side; the run must FAIL and "
+                   "name the divergent layer. See `fvparity list`.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the full report (every metric) as JSON to this path.")
+def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, json_path) -> None:
+    """Run parity level LEVEL for FAMILY and print a table of checks.
+
+    Exit code 0 when every check passes, 1 when any fails, 2 on a usage/setup error or when the
+    level is not implemented for the family.
+    """
+    try:
+        fam = get_family(family)
+        if level not in fam.LEVELS:
+            raise SetupError(f"level {level} is not implemented for {family} yet "
+                             f"(implemented: {', '.join(fam.LEVELS) or 'none'})")
+        report = fam.LEVELS[level](variants=list(variants), checkpoint=checkpoint, device=device,
+                                   dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed,
+                                   fault=fault, progress=lambda msg: click.echo(msg, err=True))
+    except SetupError as e:
+        _fail_setup(str(e))
+    _emit(report, json_path)
+
+
+@cli.command("golden")
+@click.argument("case_dirs", nargs=-1, required=True, type=click.Path())
+@click.option("--side", type=click.Choice(["both", "reference", "optimized"]), default="both", show_default=True,
+              help="Which implementation(s) to compare with the upstream outputs.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the full report as JSON to this path.")
+def golden_cmd(case_dirs, side, json_path) -> None:
+    """Check upstream golden cases: convert each case's upstream/ checkpoint into the canonical layout,
+    run its probe on the reference and the optimized side, compare with the upstream outputs.
+
+    A case directory holds case.json, upstream/, inputs.safetensors and outputs.safetensors
+    (see golden/README.md).
+    """
+    from parity.golden import run_golden_cases
+
+    try:
+        report = run_golden_cases([Path(p) for p in case_dirs], sides=("reference", "optimized") if side == "both"
+                                  else (side,), progress=lambda msg: click.echo(msg, err=True))
+    except SetupError as e:
+        _fail_setup(str(e))
+    _emit(report, json_path)
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("fvparity: aborted", err=True)
+        sys.exit(2)
+    except click.ClickException as e:  # usage errors: one line, exit 2
+        click.echo(f"fvparity: error: {e.format_message()}", err=True)
+        sys.exit(2)
+    except SystemExit:
+        raise
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

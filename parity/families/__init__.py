@@ -1,0 +1,16 @@
+"""Registry of families: each module exposes LEVELS {level: runner}, variants(), DEFAULT_VARIANTS, FAULTS."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from parity.errors import SetupError
+from parity.families import cosmos3
+
+FAMILIES: dict[str, ModuleType] = {"cosmos3": cosmos3}
+
+
+def get_family(name: str) -> ModuleType:
+    if name not in FAMILIES:
+        raise SetupError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
