@@ -187,12 +187,12 @@ def randomize_weights(model: torch.nn.Module, seed: int) -> None:
 
     Drawn in ``named_parameters()`` order from ``torch.Generator().manual_seed(seed)``, r ~ N(0, 1) of the
     parameter's shape:
-      norm weights (*norm*.weight, *layernorm*.weight)      1 + 0.1 r
+      RMSNorm weights (RMSNorm, Cosmos3NemotronRMSNorm)     1 + 0.1 r
       biases (*.bias, DomainAwareLinear *.bias.weight)      0.1 r
       audio/action_modality_embed                           0.5 r
       embed_tokens.weight                                   r
       DomainAwareLinear *.fc.weight [N_dom, in*out]         r / sqrt(in)
-      every other weight (nn.Linear [out, in])              r / sqrt(in)
+      every other weight (nn.Linear [out, in], lm_head too) r / sqrt(in)
     """
     g = torch.Generator().manual_seed(seed)
     modules = dict(model.named_modules())
@@ -435,6 +435,8 @@ def build_case(name: str, spec: dict[str, Any], out_root: Path) -> Path:
         "description": str(inp.get("description") or name),
     }
     (tmp / "case.json").write_text(json.dumps(case, indent=1) + "\n")
+    for f in tmp.rglob("*"):  # safetensors writes 0600; make the case world-readable like the rest of the repo
+        f.chmod(0o755 if f.is_dir() else 0o644)
     if case_dir.exists():
         shutil.rmtree(case_dir)
     tmp.rename(case_dir)
@@ -494,7 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(a.config_json.read_text())
         if not isinstance(spec, dict) or set(spec) != {"transformer", "inputs"}:
             ap.error('--config-json file must hold {"transformer": {...}, "inputs": {...}}')
-        build_case(a.name, spec, a.out)
+        try:
+            build_case(a.name, spec, a.out)
+        except (ValueError, TypeError) as e:
+            ap.error(f"{a.config_json}: {e}")
         return 0
     if a.only is not None:
         if a.only not in CASES:
