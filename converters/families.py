@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from converters.errors import ConversionError
-from manifests.errors import ManifestError
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,3 @@ def get_family(name: str) -> Family:
     if name not in _CACHE:
         _CACHE[name] = _FACTORIES[name]()
     return _CACHE[name]
-
-
-def wrap_manifest_error(where: str, e: ManifestError) -> ConversionError:
-    return ConversionError(f"{where}: {e}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,10 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def dtype_name(d: torch.dtype | str) -> str:
-    if isinstance(d, str):
-        return ST_TO_TORCH[d].__repr__().removeprefix("torch.") if d in ST_TO_TORCH else d
+    if isinstance(d, str):  # a safetensors tag; unknown tags are kept raw (and refused later by dtype policy)
+        d = ST_TO_TORCH.get(d, d)
+        if isinstance(d, str):
+            return d
     return str(d).removeprefix("torch.")
 
 
@@ -157,8 +160,8 @@ class SafetensorsReader(WeightReader):
                 raise ConversionError(f"{shard}: cannot list tensors ({e})") from None
             for k in keys:
                 if k in self._infos:
-                    raise ConversionError(f"duplicate key {k!r}: present in shard {self._infos[k].file.name} "
-                                          f"and in shard {shard.name}")
+                    raise ConversionError(f"{shard}: duplicate key {k!r}: also present in shard "
+                                          f"{self._infos[k].file.name} (one key, two shards)")
                 try:
                     sl = h.get_slice(k)
                     tag, shape = sl.get_dtype(), tuple(int(s) for s in sl.get_shape())
@@ -229,16 +232,23 @@ class TorchReader(WeightReader):
     def _load(self):
         kw = dict(map_location="cpu", weights_only=True)
         try:
-            try:
-                return torch.load(str(self.path), mmap=zipfile.is_zipfile(self.path), **kw)
-            except RuntimeError as e:
-                if "mmap" not in str(e):
-                    raise
-                return torch.load(str(self.path), **kw)
+            with warnings.catch_warnings():  # torch warns about pickle protocols; our errors say enough
+                warnings.simplefilter("ignore")
+                try:
+                    return torch.load(str(self.path), mmap=zipfile.is_zipfile(self.path), **kw)
+                except RuntimeError as e:
+                    if "mmap" not in str(e):
+                        raise
+                    return torch.load(str(self.path), **kw)
         except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConversionError(f"{self.path}: not a plain tensor state dict; torch.load(weights_only=True) "
-                                  f"refused it ({first})") from None
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = next((ln for ln in lines if ln.startswith("Unsupported")), None)
+            if why is None:
+                tail = [ln.split("WeightsUnpickler error:", 1)[1].strip() for ln in lines if "WeightsUnpickler error:" in ln]
+                why = tail[0] if tail and tail[0] else "it holds Python objects other than tensors"
+            raise ConversionError(f"{self.path}: not a plain tensor state dict: torch.load(weights_only=True) "
+                                  f"refused it ({why}); re-save it as torch.save(model.state_dict(), ...) or as "
+                                  f"safetensors") from None
         except Exception as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ConversionError(f"{self.path}: cannot load as a torch checkpoint ({type(e).__name__}: {first})") from None

@@ -130,6 +130,14 @@ class CacheStore:
         self._subscribers: list[Callable[[CacheEvent], None]] = []
         self.stats = CacheStats()
 
+    @property
+    def hits(self) -> int:
+        return self.stats.hits
+
+    @property
+    def misses(self) -> int:
+        return self.stats.misses
+
     # ---- events ----
     def subscribe(self, fn: Callable[[CacheEvent], None]) -> Callable[[], None]:
         """Deliver every CacheEvent to `fn`; returns an unsubscribe function."""

@@ -135,30 +135,22 @@ def compare_predictions(name: str, got: Cosmos3Prediction, want: Cosmos3Predicti
 # C0
 # ------------------------------------------------------------------------------------------------
 
-def _weights(cfg: Cosmos3Config, checkpoint: str | None, seed: int) -> dict[str, torch.Tensor]:
-    if checkpoint is None:
-        return random_state_dict(canonical_key_shapes(cfg), seed)
-    from converters import load_canonical, ConversionError
+def _resolve_models(variants: list[str], checkpoint: str | None, seed: int):
+    """(name, config, canonical state dict) per model to check: the variants with seeded random weights, or
+    the one converted checkpoint."""
     try:
-        _, state = load_canonical(checkpoint)
-    except ConversionError as e:
-        raise SetupError(str(e)) from None
-    return state
-
-
-def _resolve_configs(variants: list[str], checkpoint: str | None) -> list[tuple[str, Cosmos3Config]]:
-    try:
-        if checkpoint is not None:
-            from converters import load_canonical_config, ConversionError
-            try:
-                cfg = load_canonical_config(checkpoint)
-            except ConversionError as e:
-                raise SetupError(str(e)) from None
-            for v in variants:
-                if load_variant(v) != cfg:
-                    raise SetupError(f"checkpoint {checkpoint} does not have the architecture of variant {v!r}")
-            return [(f"ckpt", cfg)]
-        return [(v, load_variant(v)) for v in (variants or DEFAULT_VARIANTS)]
+        if checkpoint is None:
+            return [(v, cfg, random_state_dict(canonical_key_shapes(cfg), seed))
+                    for v in (variants or DEFAULT_VARIANTS) for cfg in [load_variant(v)]]
+        from converters import ConversionError, load_canonical
+        try:
+            cfg, state = load_canonical(checkpoint)
+        except ConversionError as e:
+            raise SetupError(str(e)) from None
+        for v in variants:
+            if load_variant(v) != cfg:
+                raise SetupError(f"checkpoint {checkpoint} does not have the architecture of variant {v!r}")
+        return [("checkpoint", cfg, {k: t.float() for k, t in state.items()})]
     except ManifestError as e:
         raise SetupError(str(e)) from None
 
@@ -172,8 +164,7 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
     contract = load_parity_contract("cosmos3")
     report = Report("cosmos3", "C0", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                       "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault})
-    for vname, cfg in _resolve_configs(variants, checkpoint):
-        state = _weights(cfg, checkpoint, seed)
+    for vname, cfg, state in _resolve_models(variants, checkpoint, seed):
         for dname in dtypes:
             dtype = DTYPES[dname]
             tol = contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
@@ -336,6 +327,17 @@ def golden_transformer_probe(case, sides) -> list[CheckResult]:
             results.append(CheckResult(f"{name}:{field}", ok, detail="" if ok else f"{field} differs from upstream"))
         results += compare_predictions(name, pred, upstream, tol)
     return results
+
+
+def check_converted(out_dir) -> dict:
+    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted weights, before the output is committed."""
+    try:
+        report = run_c0([], str(out_dir), "cpu", ["fp32"], 0, None, progress=lambda msg: None)
+    except SetupError as e:
+        return {"status": "error", "level": "C0", "detail": str(e)}
+    failed = [c.name for c in report.checks if not c.passed]
+    return {"status": "pass" if report.passed else "fail", "level": "C0", "dtype": "float32", "device": "cpu",
+            "checks": len(report.checks), "failed": failed}
 
 
 LEVELS = {"C0": run_c0}

@@ -54,9 +54,15 @@ def timestep_sinusoid(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cos(arg), torch.sin(arg)], dim=-1)
 
 
-def time_embedding(t_scaled: torch.Tensor, w1, b1, w2, b2, out_dtype: torch.dtype) -> torch.Tensor:
+def time_embedding(t_scaled: torch.Tensor, w1, b1, w2, b2, out_dtype: torch.dtype, min_rows: int = 16) -> torch.Tensor:
+    """[N] scaled timesteps -> [N, D] in `out_dtype`. Rows are padded to `min_rows`: CPU BLAS takes a gemv
+    path for a handful of rows whose fp32 rounding differs from the gemm path upstream's per-token batch
+    uses; padding is free (one row per sample, not per token) and keeps fp32 parity tight."""
+    n = t_scaled.shape[0]
+    if n < min_rows:
+        t_scaled = torch.cat([t_scaled, t_scaled[-1:].expand(min_rows - n)])
     e = timestep_sinusoid(t_scaled).to(w1.dtype)
-    return F.linear(F.silu(F.linear(e, w1, b1)), w2, b2).to(out_dtype)
+    return F.linear(F.silu(F.linear(e, w1, b1)), w2, b2)[:n].to(out_dtype)
 
 
 # ---- interleaved 3D mRoPE ----

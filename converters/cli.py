@@ -1,0 +1,274 @@
+"""`fvconvert`: upstream checkpoint -> canonical checkpoint directory, plus `inspect` and `formats`.
+
+Exit codes: 0 success; 2 bad input or usage (one `fvconvert: error: ...` line on stderr, nothing left
+in OUT); 1 internal error (a bug; set FVCONVERT_DEBUG=1 for the traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from converters.engine import DEFAULT_MAX_SHARD_BYTES, DTYPE_ALIASES, convert
+from converters.errors import ConversionError
+from converters.families import family_names, get_family
+from converters.hooks import get_post_check
+from converters.inspect import human_bytes, human_count, inspect_source
+from converters.manifest import load_manifest
+from manifests.errors import ManifestError
+
+PROG = "fvconvert"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text or "")
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size (examples: 5GB, 500MiB, 1000000)")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise click.BadParameter("must be > 0")
+    return n
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return None
+    return lambda msg: click.echo(f"{PROG}: {msg}", err=True)
+
+
+MAIN_HELP = f"""Convert upstream model checkpoints into the canonical layout that the reference and
+optimized engines load, and inspect checkpoints.
+
+\b
+Examples:
+  {PROG} cosmos3 --from diffusers ckpt/transformer out/cosmos3-nano
+  {PROG} cosmos3 --from diffusers ckpt/transformer out/nano --dtype bfloat16 --variant nano
+  {PROG} inspect ckpt/transformer          # what is this? format guess, keys, dtypes, shapes
+  {PROG} formats                           # families, formats and their manifests
+
+\b
+OUT receives model.safetensors (sharded above --max-shard-size, with
+model.safetensors.index.json), config.json, manifest.json (the resolved
+CheckpointManifest) and conversion_report.json (renames, drops, dtypes, shapes,
+sha256 of inputs and outputs, parity status). It is written in a temporary
+directory beside OUT and renamed at the end: a failed run leaves nothing.
+
+\b
+Exit codes: 0 ok; 2 bad input or usage (one line on stderr, nothing written);
+1 internal error (FVCONVERT_DEBUG=1 shows the traceback); 130 interrupted.
+"""
+
+
+@click.group(help=MAIN_HELP, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name=None, version="engine 1", prog_name=PROG, message="%(prog)s %(version)s")
+def cli() -> None:
+    pass
+
+
+def _family_help(fam_name: str) -> str:
+    fam = get_family(fam_name)
+    lines = [f"Convert a {fam_name} checkpoint at SRC into a canonical {fam_name} checkpoint directory OUT.", "",
+             "SRC is the upstream model folder (config + weights), or a weights file",
+             "(.safetensors, *.safetensors.index.json, .pt/.pth/.bin weights_only pickle)",
+             "with its config beside it or given with --config.", "", "\b", "Formats (--from):"]
+    for fmt in fam.formats():
+        try:
+            m = load_manifest(fam_name, fmt)
+            lines.append(f"  {fmt:<10} {m.upstream.get('source', '')}")
+            lines.append(f"  {'':<10} files: {m.config_file} + one of "
+                         + ", ".join(w.path for w in m.weight_files))
+        except ConversionError as e:
+            lines.append(f"  {fmt:<10} (manifest invalid: {e})")
+    lines += ["", "\b", f"Variants (--variant): {', '.join(fam.list_variants())}", "",
+              "Checks, all strict: every source key must match a manifest rule; every canonical key must be",
+              "produced exactly once with the shape the config implies; NaN/Inf values are refused.",
+              "", "\b", "Example:", f"  {PROG} {fam_name} --from {(fam.formats() or ['FORMAT'])[0]} SRC OUT --dtype bfloat16"]
+    return "\n".join(lines)
+
+
+def _make_family_command(fam_name: str) -> click.Command:
+    @click.command(name=fam_name, help=_family_help(fam_name), short_help=f"Convert a {fam_name} checkpoint.",
+                   context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+    @click.option("--from", "fmt", required=True, metavar="FORMAT",
+                  help="Upstream checkpoint format (see the list above; `fvconvert formats`).")
+    @click.argument("src", type=click.Path(path_type=Path))
+    @click.argument("out", type=click.Path(path_type=Path))
+    @click.option("--config", "config", type=click.Path(path_type=Path), default=None,
+                  help="Upstream config file, when SRC is a bare weights file without one beside it.")
+    @click.option("--variant", metavar="NAME", default=None,
+                  help="Also check that the converted config equals this named variant (e.g. nano); error if not.")
+    @click.option("--dtype", metavar="DTYPE", default=None,
+                  help="Output dtype: float32, bfloat16 or float16 (aliases fp32, bf16, fp16). Default: keep the "
+                       "source dtype. Keys the family keeps in float32 (cosmos3: time_embed.*) stay float32.")
+    @click.option("--force", is_flag=True, help="Replace OUT if it exists (only after the new one is complete).")
+    @click.option("--allow-truncate", is_flag=True,
+                  help="Accept a checkpoint holding only the first k complete layers of the N its config declares; "
+                       "the converted config then says k layers.")
+    @click.option("--allow-nonfinite", is_flag=True,
+                  help="Keep NaN/Inf values (and float16 overflow) instead of refusing; listed in the report.")
+    @click.option("--skip-parity", is_flag=True,
+                  help="Do not run the parity post-check on the converted weights (report: parity skipped).")
+    @click.option("--max-shard-size", default=None, metavar="SIZE",
+                  help=f"Split model.safetensors into shards of at most SIZE (e.g. 5GB, 500MiB). "
+                       f"Default {DEFAULT_MAX_SHARD_BYTES // 2**30}GiB.")
+    @click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
+    def command(fmt, src, out, config, variant, dtype, force, allow_truncate, allow_nonfinite, skip_parity,
+                max_shard_size, quiet) -> int:
+        fam = get_family(fam_name)
+        if fmt not in fam.formats():
+            raise ConversionError(f"unknown format {fmt!r} for {fam_name}; known formats: {', '.join(fam.formats())}")
+        if dtype is not None and dtype.lower() not in DTYPE_ALIASES:
+            raise click.BadParameter(f"{dtype!r}; use float32, bfloat16 or float16", param_hint="'--dtype'")
+        if variant is not None and variant not in fam.list_variants():
+            raise ConversionError(f"unknown variant {variant!r} for {fam_name}; known: {', '.join(fam.list_variants())}")
+        shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD_BYTES
+        post = None if skip_parity else get_post_check(fam_name)
+        report = convert(fam_name, fmt, src, out, config=config, variant=variant, dtype=dtype, force=force,
+                         allow_truncate=allow_truncate, allow_nonfinite=allow_nonfinite, post_check=post,
+                         skip_parity=skip_parity, max_shard_bytes=shard_bytes, progress=_progress(quiet))
+        d = report.dtypes
+        click.echo(f"converted {fam_name}/{fmt} {src} -> {out}")
+        click.echo(f"  tensors: {report.num_output_keys} written from {report.num_source_keys} source keys "
+                   f"({len(report.dropped)} dropped), {human_count(report.shapes['num_params'])} params, "
+                   f"{human_bytes(report.shapes['output_bytes'])}")
+        click.echo("  dtypes:  " + ", ".join(f"{k} {v}" for k, v in sorted(d["output"].items()))
+                   + (f" ({d['cast']} cast)" if d["cast"] else ""))
+        if report.truncated:
+            t = report.truncated
+            click.echo(f"  layers:  truncated to {t['converted_num_layers']} of {t['config_num_layers']}")
+        if report.nonfinite:
+            click.echo(f"  WARNING: {len(report.nonfinite)} tensors hold NaN/Inf (kept by --allow-nonfinite)")
+        if report.variant:
+            click.echo(f"  variant: {report.variant['name']} ({report.variant['status']})")
+        p = report.parity
+        click.echo(f"  parity:  {p.get('status')}" + (f" ({p['reason']})" if p.get("reason") else ""))
+        names = [o["path"] for o in report.outputs] + ["conversion_report.json"]
+        shards = [n for n in names if n.startswith("model-")]
+        if len(shards) > 2:
+            names = [f"{len(shards)} shards ({shards[0]} .. {shards[-1]})"] + [n for n in names if n not in shards]
+        click.echo("  files:   " + ", ".join(names))
+        return 0
+
+    return command
+
+
+for _name in family_names():
+    cli.add_command(_make_family_command(_name))
+
+
+@cli.command("inspect", short_help="Summarise a checkpoint: format guess, keys, dtypes, shapes.", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--config", type=click.Path(path_type=Path), default=None,
+              help="Config file to judge the format against (default: config.json beside the weights).")
+@click.option("--keys", "list_keys", is_flag=True, help="Also list every key with dtype and shape.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of tables.")
+def inspect_cmd(src: Path, config: Path | None, list_keys: bool, as_json: bool) -> int:
+    """Summarise a checkpoint without converting it: which format it looks like (the share of its keys
+    each known manifest's rules match, and whether a strict conversion would pass), key count, dtypes,
+    parameter count and shapes grouped by module (repeated layers folded into `layers.*`).
+
+    SRC: a model folder, a .safetensors file, a *.safetensors.index.json, or a .pt/.pth/.bin pickle.
+    Only headers are read for safetensors."""
+    from tabulate import tabulate
+
+    info = inspect_source(src, config=config, list_keys=list_keys)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return 0
+    click.echo(f"source:  {info['src']}  ({info['description']}: {len(info['files'])} file(s))")
+    if info["config"]:
+        click.echo(f"config:  {info['config']}" + (f"  (_class_name {info['config_class']})" if info["config_class"] else ""))
+    if info["best"]:
+        best = next(g for g in info["guesses"] if g["format"] == info["best"])
+        verdict = "strict conversion would pass" if best["strict"] == "ok" else (
+            f"strict check: {best['strict']}" if best["strict"] else "no config to check against")
+        click.echo(f"format:  {info['best']}  ({best['matched']}/{best['total']} keys matched; {verdict})")
+    else:
+        click.echo("format:  unknown (no manifest rule matches any key)")
+    click.echo(f"keys:    {info['num_keys']}, {human_count(info['num_params'])} params, {human_bytes(info['bytes'])}"
+               + (f", {info['num_layers_seen']} layers" if info["num_layers_seen"] else ""))
+    click.echo("dtypes:  " + ", ".join(f"{k} {v}" for k, v in sorted(info["dtypes"].items())))
+    for n in info["notes"]:
+        click.echo(f"note:    {n}")
+    click.echo("")
+    click.echo(tabulate([[g["group"], g["keys"], human_count(g["params"]),
+                          ", ".join(f"{k}:{v}" for k, v in g["dtypes"].items()),
+                          " ".join(str(s) for s in g["shapes"])] for g in info["groups"]],
+                        headers=["group", "keys", "params", "dtypes", "shapes (most common)"]))
+    others = [g for g in info["guesses"] if g["format"] != info["best"] and g["matched"]]
+    if others:
+        click.echo("\nother format candidates: " + ", ".join(f"{g['format']} {g['matched']}/{g['total']}" for g in others))
+    if list_keys:
+        click.echo("")
+        click.echo(tabulate([[k["key"], k["dtype"], k["shape"]] for k in info["keys"]], headers=["key", "dtype", "shape"]))
+    return 0
+
+
+@cli.command("formats", short_help="List known families, formats and manifests.", context_settings={"help_option_names": ["-h", "--help"]})
+def formats_cmd() -> int:
+    """List every family and upstream format fvconvert knows, with the manifest file that defines it."""
+    from tabulate import tabulate
+
+    rows = []
+    for fam_name in family_names():
+        fam = get_family(fam_name)
+        for fmt in fam.formats():
+            m = load_manifest(fam_name, fmt)
+            rows.append([fam_name, fmt, m.upstream.get("source", ""), m.conversion_version, len(m.rules), m.origin])
+    click.echo(tabulate(rows, headers=["family", "format", "upstream", "version", "rules", "manifest"]))
+    return 0
+
+
+def _usage_line(e: click.UsageError) -> str:
+    msg = " ".join(e.format_message().split())
+    path = e.ctx.command_path if e.ctx is not None else PROG
+    return f"{msg} (see: {path} --help)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point. Returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        click.echo(cli.get_help(click.Context(cli, info_name=PROG)))
+        return 2
+    try:
+        rv = cli.main(args=args, prog_name=PROG, standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
+    except click.UsageError as e:
+        click.echo(f"{PROG}: error: {_usage_line(e)}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        click.echo(f"{PROG}: interrupted", err=True)
+        return 130
+    except click.ClickException as e:
+        click.echo(f"{PROG}: error: {' '.join(e.format_message().split())}", err=True)
+        return 2
+    except (ConversionError, ManifestError) as e:
+        click.echo(f"{PROG}: error: {' '.join(str(e).split())}", err=True)
+        return 2
+    except KeyboardInterrupt:
+        click.echo(f"{PROG}: interrupted", err=True)
+        return 130
+    except OSError as e:
+        click.echo(f"{PROG}: error: {getattr(e, 'filename', '') or ''}: {e.strerror or e}".replace(": : ", ": "), err=True)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a bug; never a traceback unless asked for
+        if os.environ.get("FVCONVERT_DEBUG"):
+            raise
+        click.echo(f"{PROG}: internal error: {type(e).__name__}: {' '.join(str(e).split())} "
+                   f"(set FVCONVERT_DEBUG=1 for a traceback)", err=True)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Planted faults (negative controls): each breaks the optimized side in one known place. A harness that
+passes with a fault planted, or fails without naming the layer, is broken."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from manifests.cosmos3 import Cosmos3Config
+
+
+def fault_layer(cfg: Cosmos3Config) -> int:
+    return min(1, cfg.num_layers - 1)
+
+
+@contextlib.contextmanager
+def _perturbed_weight(fast, cfg: Cosmos3Config) -> Iterator[None]:
+    """One weight of layer k's gen MLP nudged by 1e-2 (in place, so every use of it sees the change)."""
+    w = fast.params[f"layers.{fault_layer(cfg)}.gen.mlp.down_proj.weight"]
+    saved = w.clone()
+    w[0, 0] += 1e-2
+    try:
+        yield
+    finally:
+        w.copy_(saved)
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, replacement) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _rope_interleave(fast, cfg: Cosmos3Config):
+    """mRoPE columns with the H and W axes swapped (a wrong interleave convention)."""
+    from optimized.models.cosmos3 import ops
+
+    def swapped(original):
+        def axis_of_column(half_dim, rope_axes_dim):
+            axis = original(half_dim, rope_axes_dim).clone()
+            h, w = axis == 1, axis == 2
+            axis[h], axis[w] = 2, 1
+            return axis
+        return axis_of_column
+    return _patched(ops, "mrope_axis_of_column", swapped)
+
+
+def _timestep_on_cond(fast, cfg: Cosmos3Config):
+    """The timestep embedding also added to conditioned (clean) vision frames."""
+    from optimized.models.cosmos3 import packing
+
+    def every_vision_row(original):
+        def rows(layout):
+            noisy = original(layout)
+            return torch.unique(torch.cat([noisy, layout.vision_sequence_indexes.to(noisy.device)]))
+        return rows
+    return _patched(packing, "timestep_embedding_rows", every_vision_row)
+
+
+# name -> (context factory, the canonical trace name the harness must report as first divergence)
+COSMOS3_FAULTS = {
+    "perturbed-weight": (_perturbed_weight, lambda cfg: f"layers.{fault_layer(cfg)}.gen"),
+    "rope-interleave": (_rope_interleave, lambda cfg: "layers.0.gen"),
+    "timestep-on-cond": (_timestep_on_cond, lambda cfg: "embed"),
+}
+
+
+@contextlib.contextmanager
+def planted(fault: str | None, fast, cfg: Cosmos3Config) -> Iterator[None]:
+    if fault is None:
+        yield
+        return
+    factory, _ = COSMOS3_FAULTS[fault]
+    fast.clear_und_cache()
+    with factory(fast, cfg):
+        yield
+    fast.clear_und_cache()  # nothing computed under the fault survives it

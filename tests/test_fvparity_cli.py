@@ -1,0 +1,54 @@
+"""fvparity as a user runs it: tables, JSON, exit codes, one-line errors."""
+
+import json
+
+import pytest
+
+
+def assert_one_line_error(proc, needle):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr
+    assert err and err[-1].startswith("fvparity: error:") and needle in err[-1], proc.stderr
+
+
+def test_c0_passes_with_table_and_json(fvparity, tmp_path):
+    out = tmp_path / "c0.json"
+    proc = fvparity("run", "cosmos3", "--level", "C0", "--variant", "tiny", "--dtype", "fp32", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout and "FAIL" not in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["passed"] and doc["level"] == "C0"
+    names = [c["name"] for c in doc["checks"]]
+    for part in ("packing/", "layer0", "forward/i2v_sound_action:sound", "forward/i2v_sound_action:action",
+                 "batched/", "und_cache/hit_skips_und", "und_cache/new_prompt_misses"):
+        assert any(part in n for n in names), part
+    for c in doc["checks"]:
+        if c["metrics"]:
+            assert c["metrics"]["rel_l2"] <= 1e-5
+
+
+def test_list_shows_levels(fvparity):
+    proc = fvparity("list")
+    assert proc.returncode == 0
+    assert "cosmos3" in proc.stdout and "tiny-edge" in proc.stdout and "C1(-)" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("run", "wan9", "--level", "C0"), "unknown family 'wan9'"),
+    (("run", "cosmos3", "--level", "C0", "--variant", "huge"), "unknown variant 'huge'"),
+    (("run", "cosmos3", "--level", "C2"), "not implemented for cosmos3"),
+    (("run", "cosmos3", "--level", "C9"), "C9"),
+    (("run", "cosmos3", "--level", "C0", "--plant-fault", "nope"), "unknown fault 'nope'"),
+    (("run", "cosmos3", "--level", "C0", "--checkpoint", "/nonexistent/ckpt"), "/nonexistent/ckpt"),
+    (("golden", "/nonexistent/case"), "not a directory"),
+])
+def test_bad_input_one_line_exit_2(fvparity, args, needle):
+    assert_one_line_error(fvparity(*args), needle)
+
+
+def test_golden_case_missing_file(fvparity, tmp_path):
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "case.json").write_text("{}")
+    assert_one_line_error(fvparity("golden", str(case)), "missing upstream")
