@@ -1,0 +1,36 @@
+"""Every planted fault must make fvparity FAIL (exit 1) and name the first divergent layer; checks the fault
+cannot reach must still pass (the harness localises, it does not just go red everywhere)."""
+
+import json
+
+import pytest
+
+EXPECTED = {
+    "perturbed-weight": "layers.1.gen",   # tiny has 3 layers; the fault nudges layer 1's gen MLP
+    "rope-interleave": "layers.0.gen",    # text positions are equal on all axes, so only gen sees the swap
+    "timestep-on-cond": "embed",          # only samples with conditioned frames change
+}
+
+
+@pytest.mark.parametrize("fault", sorted(EXPECTED))
+def test_fault_fails_and_is_localised(fvparity, tmp_path, fault):
+    out = tmp_path / "r.json"
+    proc = fvparity("run", "cosmos3", "--level", "C0", "--variant", "tiny", "--dtype", "fp32",
+                    "--plant-fault", fault, "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    failed = [c for c in doc["checks"] if not c["passed"]]
+    localised = [c for c in failed if "/forward/" in c["name"]]
+    assert localised, "the fault must fail at least one localised forward check"
+    for c in localised:
+        assert c["first_divergence"].startswith(EXPECTED[fault] + " "), (c["name"], c["first_divergence"])
+    passed = {c["name"] for c in doc["checks"] if c["passed"]}
+    assert any("/packing/" in n for n in passed)  # packing is untouched by every fault here
+    if fault == "timestep-on-cond":  # samples without conditioned frames are unaffected
+        assert "tiny/fp32/forward/t2v:vision" in passed
+        assert "tiny/fp32/forward/i2v_sound_action:vision" not in passed
+
+
+def test_no_fault_passes_same_selection(fvparity):
+    proc = fvparity("run", "cosmos3", "--level", "C0", "--variant", "tiny", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
