@@ -1,0 +1,85 @@
+"""Loop inversion: model code describes one step; the runtime owns the loop.
+
+A `LoopKernel` turns a request into typed loop state (`init_state`), says what the next step needs without
+doing it (`plan_step`, pure: same state -> same plan), runs the planned step for one or several requests at
+once (`run_step`, the only place that computes), and turns finished state into a result (`finalize`).
+Cancellation and preemption happen only between steps, at plans marked `cancel_boundary`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Generic, Hashable, Sequence, TypeVar
+
+from optimized.runtime.cache import CacheKey
+
+State = TypeVar("State")
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """What a step (or a whole request, at admission) must reserve before it runs."""
+    device_bytes: int = 0
+    cost_seconds: float = 0.0          # predicted device-seconds: the scheduler's one cost currency
+
+    def __add__(self, other: "ResourceRequest") -> "ResourceRequest":
+        return ResourceRequest(self.device_bytes + other.device_bytes, self.cost_seconds + other.cost_seconds)
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    request_id: str
+    loop_id: str                       # e.g. "cosmos3.denoise", "wan.vae_decode"
+    phase: str                         # e.g. "denoise_step", "vae_decode_chunk", "ar_token"
+    step_index: int
+    batch_key: Hashable                # plans with equal keys may run in one `run_step` call
+    resources: ResourceRequest = ResourceRequest()
+    cache_reads: tuple[CacheKey, ...] = ()
+    cache_writes: tuple[CacheKey, ...] = ()
+    graph_key: str | None = None       # fixed-shape step bodies share a captured graph per key (CUDA)
+    cancel_boundary: bool = True       # the request may be cancelled / preempted before this step
+    shape_signature: str = ""          # (model, phase, shape) -> cost model calibration key
+    info: dict = field(default_factory=dict, compare=False)  # trace-only details (never read by the runtime)
+
+
+class LoopKernel(ABC, Generic[State]):
+    loop_id: str = ""
+
+    @abstractmethod
+    def init_state(self, request: Any) -> State:
+        """Validate the request and build its loop state. Raises ValueError (with a clear message) on bad input."""
+
+    @abstractmethod
+    def plan_step(self, state: State) -> WorkPlan:
+        """Pure: what the next step of this request needs. Never mutates state, never computes tensors."""
+
+    @abstractmethod
+    def run_step(self, states: Sequence[State], plans: Sequence[WorkPlan]) -> list[State]:
+        """Run one planned step for each state (all plans share one batch_key); return the new states."""
+
+    @abstractmethod
+    def is_done(self, state: State) -> bool: ...
+
+    @abstractmethod
+    def finalize(self, state: State) -> Any:
+        """The request's result once `is_done`."""
+
+    def admission(self, state: State) -> ResourceRequest:
+        """Resources held for the request's whole life (e.g. its caches); reserved before admission."""
+        return ResourceRequest()
+
+    def release(self, state: State) -> None:
+        """Free what the request holds (cache entries, reservations) on completion or cancellation."""
+
+
+def run_to_completion(kernel: LoopKernel[State], request: Any) -> Any:
+    """The simplest driver: one request, eager, step by step (the scheduler batches many)."""
+    state = kernel.init_state(request)
+    try:
+        while not kernel.is_done(state):
+            plan = kernel.plan_step(state)
+            (state,) = kernel.run_step([state], [plan])
+        return kernel.finalize(state)
+    finally:
+        kernel.release(state)
