@@ -1,0 +1,147 @@
+"""The cosmos3 generation request and sampler settings: data both sides' loops consume (each side has its own
+UniPC and its own loop; only this contract is shared)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from manifests.cosmos3.config import Cosmos3Config
+from manifests.errors import ManifestError
+
+ACTION_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+
+
+@dataclass(frozen=True)
+class UniPCConfig:
+    """diffusers `UniPCMultistepScheduler` settings used by `Cosmos3OmniPipeline` (flow-matching form)."""
+    num_train_timesteps: int = 1000
+    solver_order: int = 2
+    solver_type: str = "bh2"
+    lower_order_final: bool = True
+    flow_shift: float = 10.0              # the docs' override for t2v / v2v / action
+    use_karras_sigmas: bool = False       # the shipped default is True with sigma_min 0.147, sigma_max 200
+    sigma_min: float | None = None
+    sigma_max: float | None = None
+    use_native_flow_schedule: bool = False  # pipeline option: sigmas = linspace(1 - 1/1000, 0, N + 1)[:-1]
+
+    def validate(self) -> "UniPCConfig":
+        if self.solver_order != 2 or self.solver_type != "bh2":
+            raise ManifestError("UniPC: only solver_order=2 with solver_type='bh2' (the pipeline's setting) is supported")
+        if not (math.isfinite(self.flow_shift) and self.flow_shift > 0):
+            raise ManifestError(f"UniPC: flow_shift must be a positive number, got {self.flow_shift}")
+        if self.use_karras_sigmas:
+            for name in ("sigma_min", "sigma_max"):
+                v = getattr(self, name)
+                if v is not None and not (math.isfinite(v) and v > 0):
+                    raise ManifestError(f"UniPC: {name} must be positive, got {v}")
+        return self
+
+    @classmethod
+    def shipped(cls) -> "UniPCConfig":
+        """What the converters write into the released pipelines (Karras in EDM-sigma space)."""
+        return cls(use_karras_sigmas=True, sigma_min=0.147, sigma_max=200.0, flow_shift=1.0)
+
+
+@dataclass(frozen=True)
+class ActionSpec:
+    mode: str                                  # policy | forward_dynamics | inverse_dynamics
+    chunk_size: int                            # action rows; the clip has chunk_size + 1 pixel frames
+    domain_id: int                             # embodiment domain
+    raw_action_dim: int | None = None          # channels >= this are re-zeroed (init, velocity, every step)
+    raw_actions: torch.Tensor | None = None    # forward_dynamics: the given actions [n <= chunk_size, raw_dim]
+
+
+@dataclass(frozen=True)
+class Cosmos3GenerateRequest:
+    """One generation, at the latent level (decoding to pixels is separate).
+
+    Noise: either `seed` (one CPU generator draws vision, then sound, then action noise, as upstream) or the
+    explicit `noise_*` tensors. Conditioned latent frames (`vision_condition_frames`) take their values from
+    `condition_latents` (i2v / v2v / action modes); velocity there is 0.
+    """
+    text_ids: torch.Tensor                     # cond prompt ids (int64 [L])
+    negative_text_ids: torch.Tensor            # uncond prompt ids (used when guidance_scale != 1)
+    latent_frames: int                         # T (latent): (num_frames - 1) // 4 + 1
+    latent_height: int
+    latent_width: int
+    num_steps: int = 35
+    guidance_scale: float = 6.0
+    fps: float = 24.0
+    seed: int | None = 0
+    scheduler: UniPCConfig = field(default_factory=UniPCConfig)
+    vision_condition_frames: tuple[int, ...] = ()
+    condition_latents: torch.Tensor | None = None   # [1, C, T, H, W] clean latents for conditioned frames
+    sound_frames: int = 0                      # T_s; 0 = no sound
+    action: ActionSpec | None = None
+    noise_vision: torch.Tensor | None = None   # explicit initial latents (already mixed with conditioning)
+    noise_sound: torch.Tensor | None = None
+    noise_action: torch.Tensor | None = None
+
+    def validate(self, cfg: Cosmos3Config) -> "Cosmos3GenerateRequest":
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ManifestError(f"cosmos3 request: {msg}")
+
+        for name in ("text_ids", "negative_text_ids"):
+            ids = getattr(self, name)
+            need(isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.ndim == 1 and ids.numel() > 0,
+                 f"{name} must be a non-empty int64 [L] tensor")
+            need(int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size,
+                 f"{name} has token ids outside [0, {cfg.vocab_size})")
+        for name in ("latent_frames", "latent_height", "latent_width"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}")
+        need(isinstance(self.num_steps, int) and self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps!r}")
+        need(math.isfinite(self.guidance_scale), f"guidance_scale must be finite, got {self.guidance_scale}")
+        need(math.isfinite(self.fps) and self.fps > 0, f"fps must be > 0, got {self.fps}")
+        need(self.seed is not None or self.noise_vision is not None, "give a seed or explicit noise")
+        self.scheduler.validate()
+        T = self.latent_frames
+        need(all(0 <= f < T for f in self.vision_condition_frames),
+             f"vision_condition_frames {list(self.vision_condition_frames)} out of range for {T} latent frames")
+        shape = (1, cfg.latent_channels, T, self.latent_height, self.latent_width)
+        if self.vision_condition_frames:
+            need(self.condition_latents is not None and tuple(self.condition_latents.shape) == shape,
+                 f"condition_latents of shape {list(shape)} are required with vision_condition_frames")
+        if self.noise_vision is not None:
+            need(tuple(self.noise_vision.shape) == shape, f"noise_vision must have shape {list(shape)}")
+        need(self.sound_frames >= 0, "sound_frames must be >= 0")
+        if self.sound_frames:
+            need(cfg.has_sound, "sound requested but the model has no sound head")
+            if self.noise_sound is not None:
+                need(tuple(self.noise_sound.shape) == (cfg.sound_dim, self.sound_frames),
+                     f"noise_sound must have shape [{cfg.sound_dim}, {self.sound_frames}]")
+        a = self.action
+        if a is not None:
+            need(cfg.has_action, "action requested but the model has no action head")
+            need(a.mode in ACTION_MODES, f"unknown action mode {a.mode!r}; expected one of {list(ACTION_MODES)}")
+            need(isinstance(a.chunk_size, int) and a.chunk_size > 0, "action chunk_size must be > 0")
+            need(0 <= a.domain_id < cfg.num_embodiment_domains,
+                 f"action domain_id {a.domain_id} out of range [0, {cfg.num_embodiment_domains})")
+            need(a.raw_action_dim is None or 0 < a.raw_action_dim <= cfg.action_dim,
+                 f"raw_action_dim must be in (0, {cfg.action_dim}]")
+            want = tuple(range(T)) if a.mode == "inverse_dynamics" else (0,)
+            need(tuple(sorted(self.vision_condition_frames)) == want,
+                 f"action mode {a.mode} conditions latent frames {list(want)}; got {list(self.vision_condition_frames)}")
+            if a.mode == "forward_dynamics":
+                need(a.raw_actions is not None and a.raw_actions.ndim == 2 and a.raw_actions.shape[0] >= 1
+                     and a.raw_actions.shape[1] <= cfg.action_dim,
+                     "forward_dynamics needs raw_actions [n, <= action_dim]")
+            if self.noise_action is not None:
+                need(tuple(self.noise_action.shape) == (a.chunk_size, cfg.action_dim),
+                     f"noise_action must have shape [{a.chunk_size}, {cfg.action_dim}]")
+        return self
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.guidance_scale != 1.0  # upstream: guidance exactly 1 skips the uncond branch
+
+
+def latent_frames_for(num_frames: int, temporal_compression: int = 4) -> int:
+    """Pixel frames (4k + 1) -> latent frames; refuses counts the causal VAE cannot encode whole."""
+    if num_frames < 1 or (num_frames - 1) % temporal_compression:
+        raise ManifestError(f"num_frames must be {temporal_compression}k + 1, got {num_frames}")
+    return (num_frames - 1) // temporal_compression + 1
