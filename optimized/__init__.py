@@ -2,3 +2,7 @@
 
 Never imports `reference/`: parity between two modules that share code proves nothing.
 """
+
+from optimized.engine import Engine, RequestHandle, RequestRejected
+
+__all__ = ["Engine", "RequestHandle", "RequestRejected"]

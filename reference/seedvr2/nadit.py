@@ -29,10 +29,6 @@ Trace = Callable[[str, torch.Tensor], None]
 # Small building blocks
 # ---------------------------------------------------------------------------------------------------------------
 
-class Linear(nn.Linear):
-    pass
-
-
 class TimeEmbedding(nn.Module):
     """256-dim [sin | cos] sinusoid of t, then Linear-SiLU-Linear-SiLU-Linear(-> 6*dim)."""
 
@@ -202,8 +198,10 @@ class Block(nn.Module):
             a_txt = a_txt * ada_t.get(emb, "attn", "scale") + ada_t.get(emb, "attn", "shift")
         a_vid, a_txt = self.window_attention(a_vid, a_txt, grid)
         vid = vid + a_vid * ada_v.get(emb, "attn", "gate")
-        if passive:  # 3B last layer is vid_only: text is attention output un-gated, and gets no MLP
-            return self.mlp_residual(vid, emb, self.vid_branch), txt + a_txt
+        if passive:  # 3B last layer is vid_only: text gets the attention output un-gated, and no MLP
+            txt = txt + a_txt
+            # quirk: upstream's skipped text MLP hands its input back as the residual, so the text doubles (unused)
+            return self.mlp_residual(vid, emb, self.vid_branch), txt + txt
         txt = txt + a_txt * ada_t.get(emb, "attn", "gate")
         return self.mlp_residual(vid, emb, self.vid_branch), self.mlp_residual(txt, emb, self.txt_branch)
 

@@ -1,0 +1,266 @@
+"""cosmos3 flow denoising as a LoopKernel: the runtime owns the loop, this file owns one step.
+
+One step for a batch of requests (any mix of step indices, seeds, guidance scales, shapes and modalities):
+build every request's cond (and uncond) forward inputs, run them through the CFG policy as one or two batched
+varlen forwards, mask and combine the velocities in fp32, advance each request's own UniPC state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from manifests import ManifestError
+from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
+from manifests.cosmos3.sampling import Cosmos3GenerateRequest
+from optimized.models.cosmos3 import unipc
+from optimized.models.cosmos3.model import Cosmos3Fast
+from optimized.runtime.cache import CacheKey
+from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+
+MODALITIES = ("vision", "sound", "action")
+
+
+@dataclass(frozen=True)
+class DenoiseJob:
+    request: Cosmos3GenerateRequest
+    record_trajectory: bool = False
+
+
+@dataclass
+class DenoiseState:
+    job: DenoiseJob
+    timesteps: list[int]
+    latents: dict[str, torch.Tensor]               # current fp32 latents per modality present
+    solvers: dict[str, unipc.UniPCState]           # one UniPC state per modality, owned by this request
+    vision_keep: torch.Tensor                       # [T, 1, 1]: 1 on noisy frames, 0 on conditioned ones
+    action_keep: torch.Tensor | None                # [chunk, 1]
+    und_keys: tuple[CacheKey, ...] = ()
+    step: int = 0
+    trajectory: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    initial: dict[str, torch.Tensor] | None = None  # kept only when recording the trajectory
+
+    @property
+    def request(self) -> Cosmos3GenerateRequest:
+        return self.job.request
+
+
+# ------------------------------------------------------------------------------------------------
+# CFG policies: how the branches of a batch are executed (they all combine in velocity space)
+# ------------------------------------------------------------------------------------------------
+
+class CFGPolicy:
+    name = "abstract"
+
+    def check(self, req: Cosmos3GenerateRequest) -> None:
+        pass
+
+    def run(self, fast: Cosmos3Fast, cond: list[Cosmos3ForwardInputs], uncond: list[Cosmos3ForwardInputs]):
+        raise NotImplementedError
+
+
+class TwoForwardCFG(CFGPolicy):
+    """Cond batch and uncond batch as two forwards (lower peak memory)."""
+    name = "two-forward"
+
+    def run(self, fast, cond, uncond):
+        return fast.forward_batch(cond), (fast.forward_batch(uncond) if uncond else [])
+
+
+class BatchedCFG(CFGPolicy):
+    """Both branches of every request in one varlen forward (fewer launches, one weight pass)."""
+    name = "batched"
+
+    def run(self, fast, cond, uncond):
+        preds = fast.forward_batch(cond + uncond)
+        return preds[: len(cond)], preds[len(cond):]
+
+
+class IdentityCFG(CFGPolicy):
+    """Cond only: for guidance 1 (or guidance-distilled checkpoints); refuses any other scale."""
+    name = "identity"
+
+    def check(self, req):
+        if req.uses_cfg:
+            raise ManifestError(f"the identity CFG policy runs guidance_scale 1 only, got {req.guidance_scale}")
+
+    def run(self, fast, cond, uncond):
+        return fast.forward_batch(cond), []
+
+
+CFG_POLICIES = {p.name: p for p in (TwoForwardCFG, BatchedCFG, IdentityCFG)}
+
+
+def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Velocity-space guidance, fp32, one scale for every modality."""
+    return v_uncond + scale * (v_cond - v_uncond)
+
+
+def advance(solver: unipc.UniPCState, velocity: torch.Tensor, x: torch.Tensor):
+    """One UniPC step of one modality of one request."""
+    return unipc.unipc_step(solver, velocity, x)
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop kernel
+# ------------------------------------------------------------------------------------------------
+
+class FlowDenoiseLoop(LoopKernel[DenoiseState]):
+    loop_id = "cosmos3.denoise"
+
+    def __init__(self, fast: Cosmos3Fast, cfg_policy: CFGPolicy | str = "batched"):
+        self.fast = fast
+        self.cfg_policy = CFG_POLICIES[cfg_policy]() if isinstance(cfg_policy, str) else cfg_policy
+        self.und_refcount: dict[CacheKey, int] = {}
+
+    # ---- request -> state
+    def init_state(self, job: DenoiseJob | Cosmos3GenerateRequest) -> DenoiseState:
+        job = job if isinstance(job, DenoiseJob) else DenoiseJob(job)
+        cfg, req = self.fast.cfg, job.request
+        try:
+            req.validate(cfg)
+            self.cfg_policy.check(req)
+        except ManifestError as e:
+            raise ValueError(str(e)) from None
+        latents, vision_keep, action_keep = self._initial_latents(req)
+        solvers, timesteps = {}, None
+        for m in latents:
+            solvers[m], timesteps = unipc.new_state(req.scheduler, req.num_steps)
+        texts = [req.text_ids] + ([req.negative_text_ids] if req.uses_cfg else [])
+        keys = tuple(self.fast.und_cache_key(t) for t in texts)
+        for k in keys:
+            self.und_refcount[k] = self.und_refcount.get(k, 0) + 1
+        initial = {m: t.clone() for m, t in latents.items()} if job.record_trajectory else None
+        return DenoiseState(job, timesteps.tolist(), latents, solvers, vision_keep, action_keep, und_keys=keys,
+                            initial=initial)
+
+    def _initial_latents(self, req: Cosmos3GenerateRequest):
+        cfg = self.fast.cfg
+        g = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+        T, H, W = req.latent_frames, req.latent_height, req.latent_width
+        keep = torch.ones(T, 1, 1)
+        keep[list(req.vision_condition_frames)] = 0.0
+        out: dict[str, torch.Tensor] = {}
+        # draw order is upstream's: vision, sound, action, each only when not given explicitly
+        if req.noise_vision is not None:
+            out["vision"] = req.noise_vision.float().clone()  # explicit latents are taken as already mixed
+        else:
+            noise = torch.randn(1, cfg.latent_channels, T, H, W, generator=g)
+            clean = req.condition_latents.float() if req.condition_latents is not None else torch.zeros_like(noise)
+            out["vision"] = (1.0 - keep) * clean + keep * noise
+        if req.sound_frames:
+            out["sound"] = req.noise_sound.float().clone() if req.noise_sound is not None else \
+                torch.randn(cfg.sound_dim, req.sound_frames, generator=g)
+        action_keep = None
+        if req.action is not None:
+            a = req.action
+            given = a.mode == "forward_dynamics"
+            action_keep = torch.full((a.chunk_size, 1), 0.0 if given else 1.0)
+            if req.noise_action is not None:
+                out["action"] = req.noise_action.float().clone()
+            else:
+                noise = torch.randn(a.chunk_size, cfg.action_dim, generator=g)
+                clean = torch.zeros_like(noise)
+                if given:
+                    rows = a.raw_actions.float()
+                    idx = torch.arange(a.chunk_size).clamp(max=rows.shape[0] - 1)  # repeat the last action
+                    clean[:, : rows.shape[1]] = rows[idx]
+                out["action"] = (1.0 - action_keep) * clean + action_keep * noise
+                if a.raw_action_dim is not None:
+                    out["action"][:, a.raw_action_dim:] = 0
+        return out, keep, action_keep
+
+    # ---- planning (pure)
+    def plan_step(self, s: DenoiseState) -> WorkPlan:
+        cfg, req = self.fast.cfg, s.request
+        tokens = req.text_ids.numel() + req.latent_frames * math.ceil(req.latent_height / cfg.patch_size) * \
+            math.ceil(req.latent_width / cfg.patch_size) + req.sound_frames + (req.action.chunk_size if req.action else 0)
+        branches = 2 if req.uses_cfg else 1
+        params_per_token = cfg.num_layers * (4 * cfg.hidden_size ** 2 + 3 * cfg.hidden_size * cfg.intermediate_size)
+        act_bytes = tokens * branches * cfg.hidden_size * 4 * 8
+        return WorkPlan(
+            request_id="", loop_id=self.loop_id, phase="denoise_step", step_index=s.step,
+            batch_key=(id(self.fast), str(self.fast.dtype), str(self.fast.device), self.cfg_policy.name),
+            resources=ResourceRequest(device_bytes=act_bytes, cost_seconds=2 * tokens * branches * params_per_token / 5e10),
+            cache_reads=s.und_keys, graph_key=f"tokens={tokens};branches={branches}",
+            shape_signature=f"tokens={tokens};branches={branches}",
+            info={"timestep": s.timesteps[s.step], "guidance": req.guidance_scale})
+
+    def admission(self, s: DenoiseState) -> ResourceRequest:
+        cfg = self.fast.cfg
+        latent_bytes = sum(t.numel() * 4 for t in s.latents.values()) * 4  # latents + solver history
+        texts = [s.request.text_ids] + ([s.request.negative_text_ids] if s.request.uses_cfg else [])
+        elem = torch.finfo(self.fast.dtype).bits // 8
+        kv_bytes = sum(2 * cfg.num_layers * t.numel() * cfg.num_kv_heads * cfg.head_dim * elem for t in texts)
+        return ResourceRequest(device_bytes=latent_bytes + kv_bytes)
+
+    # ---- the step body
+    def _inputs(self, s: DenoiseState, text_ids: torch.Tensor, timestep: int) -> Cosmos3ForwardInputs:
+        req, dt = s.request, self.fast.dtype
+        a = req.action
+        lat = s.latents
+        return Cosmos3ForwardInputs(
+            text_ids=text_ids, vision_latents=lat["vision"].to(dt), timestep=timestep, fps_vision=req.fps,
+            vision_condition_frames=req.vision_condition_frames,
+            sound_latents=lat["sound"].to(dt) if "sound" in lat else None,
+            fps_sound=float(self.fast.cfg.sound_latent_fps) if "sound" in lat else None,
+            action_latents=lat["action"].to(dt) if "action" in lat else None,
+            action_condition_rows=tuple(range(a.chunk_size)) if a is not None and a.mode == "forward_dynamics" else (),
+            action_domain_id=a.domain_id if a is not None else None)
+
+    def _velocities(self, s: DenoiseState, pred: Cosmos3Prediction) -> dict[str, torch.Tensor]:
+        v = {"vision": (pred.vision * s.vision_keep).float()}
+        if "sound" in s.latents:
+            v["sound"] = pred.sound.float()
+        if "action" in s.latents:
+            v["action"] = (pred.action * s.action_keep).float()
+            if s.request.action.raw_action_dim is not None:
+                v["action"][:, s.request.action.raw_action_dim:] = 0
+        return v
+
+    def run_step(self, states: Sequence[DenoiseState], plans: Sequence[WorkPlan]) -> list[DenoiseState]:
+        cond = [self._inputs(s, s.request.text_ids, s.timesteps[s.step]) for s in states]
+        guided = [s for s in states if s.request.uses_cfg]
+        uncond = [self._inputs(s, s.request.negative_text_ids, s.timesteps[s.step]) for s in guided]
+        with torch.no_grad():
+            cond_preds, uncond_preds = self.cfg_policy.run(self.fast, cond, uncond)
+        uncond_by_state = dict(zip(map(id, guided), uncond_preds))
+        out = []
+        for s, pc in zip(states, cond_preds):
+            v = self._velocities(s, pc)
+            if id(s) in uncond_by_state:
+                vu = self._velocities(s, uncond_by_state[id(s)])
+                v = {m: cfg_combine(v[m], vu[m], s.request.guidance_scale) for m in v}
+            latents, solvers = dict(s.latents), dict(s.solvers)
+            for m in latents:
+                if m == "action" and not bool((s.action_keep > 0).any()):
+                    continue  # no noisy action row: the action latents are not stepped (upstream)
+                solvers[m], latents[m] = advance(solvers[m], v[m], latents[m])
+                if m == "action" and s.request.action.raw_action_dim is not None:
+                    latents[m][:, s.request.action.raw_action_dim:] = 0  # padded channels re-zeroed every step
+            s = replace(s, latents=latents, solvers=solvers, step=s.step + 1)
+            if s.job.record_trajectory:
+                s.trajectory = s.trajectory + [{m: t.clone() for m, t in latents.items()}]
+            out.append(s)
+        return out
+
+    def is_done(self, s: DenoiseState) -> bool:
+        return s.step >= len(s.timesteps)
+
+    def finalize(self, s: DenoiseState) -> dict:
+        return {"latents": dict(s.latents), "trajectory": s.trajectory, "initial": s.initial,
+                "timesteps": s.timesteps[: s.step]}
+
+    def release(self, s: DenoiseState) -> None:
+        """Drop this request's hold on its und-stream cache entries; evict those no live request uses."""
+        for k in s.und_keys:
+            n = self.und_refcount.get(k, 0) - 1
+            if n <= 0:
+                self.und_refcount.pop(k, None)
+                self.fast.und_cache.evict(k)
+            else:
+                self.und_refcount[k] = n
+        s.und_keys = ()
