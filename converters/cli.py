@@ -46,6 +46,45 @@ def _progress(quiet: bool):
     return lambda msg: click.echo(f"{PROG}: {msg}", err=True)
 
 
+def render_bar(u: dict, width: int = 28) -> str:
+    """One progress-bar line: `[########......] 57% 120/210 tensors 3.10/5.40 GiB 1.23 GB/s ETA 2s`."""
+    frac = u["done_bytes"] / u["total_bytes"] if u["total_bytes"] else u["done"] / max(1, u["total"])
+    fill = int(round(frac * width))
+    rate = u["done_bytes"] / u["elapsed_s"] if u["elapsed_s"] > 0 else 0.0
+    eta = (u["total_bytes"] - u["done_bytes"]) / rate if rate > 0 else 0.0
+    return (f"[{'#' * fill}{'.' * (width - fill)}] {frac * 100:3.0f}% {u['done']}/{u['total']} tensors "
+            f"{u['done_bytes'] / 2**30:.2f}/{u['total_bytes'] / 2**30:.2f} GiB {rate / 1e9:.2f} GB/s ETA {eta:.0f}s")
+
+
+class _Bar:
+    """A progress bar redrawn in place on a terminal, at most ~10 times a second."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, u: dict) -> None:
+        import time
+
+        now = time.time()
+        if u["done"] < u["total"] and now - self.last < 0.1:
+            return
+        self.last = now
+        self.stream.write("\r" + render_bar(u) + "\x1b[K")
+        if u["done"] == u["total"]:
+            self.stream.write("\n")
+        self.stream.flush()
+        self.shown = True
+
+
+def _progress_bar(quiet: bool):
+    stream = click.get_text_stream("stderr")
+    if quiet or not stream.isatty():
+        return None
+    return _Bar(stream)
+
+
 MAIN_HELP = f"""Convert upstream model checkpoints into the canonical layout that the reference and
 optimized engines load, and inspect checkpoints.
 
@@ -53,6 +92,8 @@ optimized engines load, and inspect checkpoints.
 Examples:
   {PROG} cosmos3 --from diffusers ckpt/transformer out/cosmos3-nano
   {PROG} cosmos3 --from diffusers ckpt/transformer out/nano --dtype bfloat16 --variant nano
+  {PROG} cosmos3 --from framework model.safetensors out/nano --variant nano
+  {PROG} cosmos3 --from transformers reasoner/ out/nano-reasoner   # partial: the und part
   {PROG} inspect ckpt/transformer          # what is this? format guess, keys, dtypes, shapes
   {PROG} formats                           # families, formats and their manifests
 
@@ -84,14 +125,17 @@ def _family_help(fam_name: str) -> str:
     for fmt in fam.formats():
         try:
             m = load_manifest(fam_name, fmt)
-            lines.append(f"  {fmt:<10} {m.upstream.get('source', '')}")
-            lines.append(f"  {'':<10} files: {m.config_file} + one of "
-                         + ", ".join(w.path for w in m.weight_files))
+            lines.append(f"  {fmt:<13} {m.upstream.get('source', '')}")
+            lines.append(f"  {'':<13} files: {m.config_file or '(no config: --variant or --config)'} + one of "
+                         + ", ".join(w.path for w in m.weight_files)
+                         + (f"; fills only: {', '.join(m.fills)}" if m.fills else ""))
         except ConversionError as e:
-            lines.append(f"  {fmt:<10} (manifest invalid: {e})")
-    lines += ["", "\b", f"Variants (--variant): {', '.join(fam.list_variants())}", "",
-              "Checks, all strict: every source key must match a manifest rule; every canonical key must be",
-              "produced exactly once with the shape the config implies; NaN/Inf values are refused.",
+            lines.append(f"  {fmt:<13} (manifest invalid: {e})")
+    lines += ["", "\b", f"Variants (--variant): {', '.join(fam.list_variants())}",
+              f"Canonical parts: {', '.join(fam.part_names)} (a format filling fewer gives a partial checkpoint)", "",
+              "Checks, all strict: every source key must match a manifest rule (or a drop/sidecar rule, with",
+              "its reason in the report); every canonical key of the parts the format fills must be produced",
+              "exactly once with the shape the config implies; NaN/Inf values are refused.",
               "", "\b", "Example:", f"  {PROG} {fam_name} --from {(fam.formats() or ['FORMAT'])[0]} SRC OUT --dtype bfloat16"]
     return "\n".join(lines)
 
@@ -100,13 +144,16 @@ def _make_family_command(fam_name: str) -> click.Command:
     @click.command(name=fam_name, help=_family_help(fam_name), short_help=f"Convert a {fam_name} checkpoint.",
                    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
     @click.option("--from", "fmt", required=True, metavar="FORMAT",
-                  help="Upstream checkpoint format (see the list above; `fvconvert formats`).")
+                  help="Upstream checkpoint format (see the list above; `fvconvert formats`), or a path to a "
+                       "CheckpointManifest JSON for a custom format.")
     @click.argument("src", type=click.Path(path_type=Path))
     @click.argument("out", type=click.Path(path_type=Path))
     @click.option("--config", "config", type=click.Path(path_type=Path), default=None,
                   help="Upstream config file, when SRC is a bare weights file without one beside it.")
     @click.option("--variant", metavar="NAME", default=None,
-                  help="Also check that the converted config equals this named variant (e.g. nano); error if not.")
+                  help="Check that the converted config equals this named variant (e.g. nano); error if not. For a "
+                       "format without a config (framework) it gives the architecture; for a partial config "
+                       "(transformers) it supplies the fields the source does not determine.")
     @click.option("--dtype", metavar="DTYPE", default=None,
                   help="Output dtype: float32, bfloat16 or float16 (aliases fp32, bf16, fp16). Default: keep the "
                        "source dtype. Keys the family keeps in float32 (cosmos3: time_embed.*) stay float32.")
@@ -116,26 +163,35 @@ def _make_family_command(fam_name: str) -> click.Command:
                        "the converted config then says k layers.")
     @click.option("--allow-nonfinite", is_flag=True,
                   help="Keep NaN/Inf values (and float16 overflow) instead of refusing; listed in the report.")
+    @click.option("--keep-sidecars", is_flag=True,
+                  help="Write tensors that manifests route to a sidecar (e.g. the Qwen3-VL vision encoder) to "
+                       "OUT/<sidecar>/ instead of dropping them.")
     @click.option("--skip-parity", is_flag=True,
                   help="Do not run the parity post-check on the converted weights (report: parity skipped).")
     @click.option("--max-shard-size", default=None, metavar="SIZE",
                   help=f"Split model.safetensors into shards of at most SIZE (e.g. 5GB, 500MiB). "
                        f"Default {DEFAULT_MAX_SHARD_BYTES // 2**30}GiB.")
     @click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
-    def command(fmt, src, out, config, variant, dtype, force, allow_truncate, allow_nonfinite, skip_parity,
-                max_shard_size, quiet) -> int:
+    def command(fmt, src, out, config, variant, dtype, force, allow_truncate, allow_nonfinite, keep_sidecars,
+                skip_parity, max_shard_size, quiet) -> int:
         fam = get_family(fam_name)
-        if fmt not in fam.formats():
-            raise ConversionError(f"unknown format {fmt!r} for {fam_name}; known formats: {', '.join(fam.formats())}")
+        manifest = load_manifest(fam_name, fmt)    # unknown format / invalid manifest: one clear error
         if dtype is not None and dtype.lower() not in DTYPE_ALIASES:
             raise click.BadParameter(f"{dtype!r}; use float32, bfloat16 or float16", param_hint="'--dtype'")
         if variant is not None and variant not in fam.list_variants():
             raise ConversionError(f"unknown variant {variant!r} for {fam_name}; known: {', '.join(fam.list_variants())}")
         shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD_BYTES
-        post = None if skip_parity else get_post_check(fam_name)
-        report = convert(fam_name, fmt, src, out, config=config, variant=variant, dtype=dtype, force=force,
-                         allow_truncate=allow_truncate, allow_nonfinite=allow_nonfinite, post_check=post,
-                         skip_parity=skip_parity, max_shard_bytes=shard_bytes, progress=_progress(quiet))
+        post = None if skip_parity else get_post_check(manifest.post_check_name)
+        if post is None and not skip_parity and manifest.parity.required:
+            raise ConversionError(f"manifest {manifest.id} requires {manifest.parity.level} parity after conversion, but "
+                                  f"no post-check is wired for {manifest.post_check_name!r} (entry point group "
+                                  f"fvconvert.post_check; install the package with `pip install -e .`), or pass "
+                                  f"--skip-parity to convert without it")
+        bar = _progress_bar(quiet)
+        report = convert(fam_name, manifest, src, out, config=config, variant=variant, dtype=dtype, force=force,
+                         allow_truncate=allow_truncate, allow_nonfinite=allow_nonfinite, keep_sidecars=keep_sidecars,
+                         post_check=post, skip_parity=skip_parity, max_shard_bytes=shard_bytes,
+                         progress=_progress(quiet), progress_update=bar)
         d = report.dtypes
         click.echo(f"converted {fam_name}/{fmt} {src} -> {out}")
         click.echo(f"  tensors: {report.num_output_keys} written from {report.num_source_keys} source keys "
@@ -150,6 +206,20 @@ def _make_family_command(fam_name: str) -> click.Command:
             click.echo(f"  WARNING: {len(report.nonfinite)} tensors hold NaN/Inf (kept by --allow-nonfinite)")
         if report.variant:
             click.echo(f"  variant: {report.variant['name']} ({report.variant['status']})")
+        pt = report.parts
+        if pt["unfilled"]:
+            click.echo(f"  parts:   PARTIAL checkpoint: holds {', '.join(pt['filled'])}; not filled by this format: "
+                       f"{', '.join(pt['unfilled'])} (load with load_canonical(OUT, parts={pt['filled']!r}))")
+        else:
+            click.echo(f"  parts:   complete ({', '.join(pt['filled'])})")
+        if report.config_source.get("undetermined_fields"):
+            u = report.config_source["undetermined_fields"]
+            src_of = report.config_source.get("completed_from_variant")
+            click.echo(f"  config:  {len(u)} fields not determined by the source, taken from "
+                       + (f"variant {src_of}" if src_of else "the family defaults (pass --variant to pin them)"))
+        for name, sc in report.sidecars.items():
+            click.echo(f"  sidecar: {name}: {sc['keys']} tensors " + ("written to " + ", ".join(sc["files"]) if sc["kept"]
+                                                                       else "dropped (--keep-sidecars keeps them)"))
         p = report.parity
         click.echo(f"  parity:  {p.get('status')}" + (f" ({p['reason']})" if p.get("reason") else ""))
         names = [o["path"] for o in report.outputs] + ["conversion_report.json"]

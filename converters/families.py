@@ -1,16 +1,25 @@
 """Model families known to the converter: how to build, check and serialise each family's config, where
-its CheckpointManifests live, and which config mappings its manifests may name.
+its CheckpointManifests live, which config mappings its manifests may name, and how its canonical layout
+splits into *parts* (so a format that fills only some of them, e.g. a reasoner-only release, yields a
+clearly labelled partial checkpoint).
 
 Adding a family = one `Family(...)` entry here + manifests under `manifests/<family>/checkpoints/`.
+
+A config mapping takes the upstream config (a dict) and returns either the family config (the source
+determines every field) or a dict of the family config fields it determines (a partial config: the rest
+comes from --variant, else the family defaults, and the report lists them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+import torch
 
 from converters.errors import ConversionError
 
@@ -28,6 +37,8 @@ class Family:
     config_mappings: Mapping[str, Callable[[dict], Any]]  # manifest "config_mapping" id -> upstream config -> config
     layer_key: re.Pattern                            # canonical key of a repeated layer; group 1 = index
     num_layers_field: str                            # config field holding the layer count
+    parts: tuple[tuple[str, tuple[str, ...], str], ...] = ()  # (part, regexes on canonical keys, what it is)
+    placeholder: Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor] | None = None
 
     def with_num_layers(self, cfg: Any, n: int) -> Any:
         cfg = dataclasses.replace(cfg, **{self.num_layers_field: n})
@@ -38,6 +49,103 @@ class Family:
 
     def formats(self) -> list[str]:
         return sorted(p.stem for p in self.checkpoints_dir.glob("*.json"))
+
+    # ---- parts ----
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        return tuple(p for p, _, _ in self.parts) or ("all",)
+
+    def part_of(self, key: str) -> str:
+        for name, pats, _ in self.parts:
+            if any(re.search(p, key) for p in pats):
+                return name
+        if not self.parts:
+            return "all"
+        raise ConversionError(f"{self.name}: canonical key {key!r} belongs to no part (family definition bug)")
+
+    def part_keys(self, cfg: Any) -> dict[str, list[str]]:
+        """{part: its canonical keys for this config}, in part order; parts with no key are left out."""
+        out: dict[str, list[str]] = {p: [] for p in self.part_names}
+        for k in self.key_shapes(cfg):
+            out[self.part_of(k)].append(k)
+        return {p: ks for p, ks in out.items() if ks}
+
+    def part_descriptions(self) -> dict[str, str]:
+        return {p: d for p, _, d in self.parts}
+
+
+# ---------------------------------------------------------------------------------------------
+# cosmos3
+
+COSMOS3_PARTS = (
+    ("und", (r"^embed_tokens\.", r"^lm_head\.", r"^und_norm\.", r"^layers\.\d+\.und\.(?!k_norm_for_gen\.)"),
+     "understanding (reasoner) pathway: token embedding, und attention/MLP/norms of every layer, final und norm, "
+     "lm_head"),
+    ("gen", (r"^gen_norm\.", r"^layers\.\d+\.gen\.", r"^layers\.\d+\.und\.k_norm_for_gen\.", r"^time_embed\."),
+     "generation pathway: gen attention/MLP/norms of every layer, und k-norm used by gen, final gen norm, "
+     "timestep MLP"),
+    ("vision_heads", (r"^vision_(in|out)\.",), "vision latent projections in/out"),
+    ("sound_heads", (r"^sound_",), "sound latent projections and modality embedding"),
+    ("action_heads", (r"^action_",), "action (DomainAwareLinear) projections and modality embedding"),
+)
+
+
+def cosmos3_placeholder(key: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Seeded stand-in weights for parts a partial checkpoint lacks (used only inside a parity check)."""
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    if key.endswith("norm.weight") or key.endswith("norm_for_gen.weight"):
+        return 1.0 + 0.1 * x
+    if len(shape) == 1 or key.startswith(("action_in.", "action_out.")):
+        return 0.1 * x
+    if key.startswith(("embed_tokens", "lm_head")):
+        return 0.5 * x
+    return x / math.sqrt(shape[-1])
+
+
+def _text_config(c: dict) -> dict:
+    tc = c.get("text_config")
+    if tc is None:
+        return c  # a bare text config
+    if not isinstance(tc, dict):
+        raise ValueError("text_config must be an object")
+    return tc
+
+
+def cosmos3_from_transformers_config(c: dict) -> dict[str, Any]:
+    """transformers reasoner config (`Cosmos3OmniConfig`, Qwen3-VL text tower; or `Cosmos3EdgeConfig`,
+    Nemotron-style text tower) -> the Cosmos3Config fields it determines (und pathway only).
+
+    Qwen3-VL text layers always carry q/k RMSNorm and a SiLU-gated MLP; the Edge text tower has neither
+    (relu2 fc1/fc2 MLP). Both use interleaved mRoPE with `mrope_section` = rope_axes_dim.
+    """
+    mt = c.get("model_type")
+    tc = _text_config(c)
+    edge = mt == "cosmos3_edge" or tc.get("model_type") == "cosmos3_edge_text"
+    rp = tc.get("rope_parameters") or {}
+    rs = tc.get("rope_scaling") or {}
+    theta = rp.get("rope_theta", tc.get("rope_theta", 1e8 if edge else 5e6))
+    section = rp.get("mrope_section") or rs.get("mrope_section") or [24, 20, 20]
+    rope_type = rp.get("rope_type") or rs.get("rope_type") or "default"
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"rope_type {rope_type!r} is not the plain (default) rotary embedding the canonical model uses")
+    fields: dict[str, Any] = {
+        "hidden_size": tc.get("hidden_size", 2048 if edge else 4096),
+        "num_layers": tc.get("num_hidden_layers", 28 if edge else 32),
+        "num_heads": tc.get("num_attention_heads", 16 if edge else 32),
+        "num_kv_heads": tc.get("num_key_value_heads") or tc.get("num_attention_heads", 16 if edge else 32),
+        "head_dim": tc.get("head_dim", 128),
+        "intermediate_size": tc.get("intermediate_size", 9216 if edge else 22016),
+        "vocab_size": tc.get("vocab_size", 131072 if edge else 151936),
+        "attention_bias": bool(tc.get("attention_bias", False)),
+        "rms_norm_eps": tc.get("rms_norm_eps", 1e-5 if edge else 1e-6),
+        "hidden_act": tc.get("hidden_act", "relu2" if edge else "silu"),
+        "qk_norm_for_text": not edge,
+        "rope_theta": float(theta),
+        "rope_axes_dim": tuple(section),
+    }
+    if edge and tc.get("mlp_bias"):
+        raise ValueError("mlp_bias=true: the canonical cosmos3 MLP has no biases")
+    return fields
 
 
 def _cosmos3() -> Family:
@@ -53,9 +161,12 @@ def _cosmos3() -> Family:
         fp32_keys=k3.fp32_keys,
         load_variant=c3.load_variant,
         list_variants=c3.list_variants,
-        config_mappings={"diffusers_transformer_config": c3.Cosmos3Config.from_diffusers_config},
+        config_mappings={"diffusers_transformer_config": c3.Cosmos3Config.from_diffusers_config,
+                         "transformers_reasoner_config": cosmos3_from_transformers_config},
         layer_key=re.compile(r"^layers\.(\d+)\."),
         num_layers_field="num_layers",
+        parts=COSMOS3_PARTS,
+        placeholder=cosmos3_placeholder,
     )
 
 

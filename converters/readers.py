@@ -1,14 +1,22 @@
 """Weight readers: single safetensors, sharded safetensors (index json), torch pickles (weights_only).
 
 Readers list keys/shapes/dtypes from headers without loading tensors (safetensors), and hand out one
-tensor at a time, so a conversion holds at most one source tensor in memory (a torch pickle is the
-exception: it is loaded whole, memory-mapped where the file format allows).
+tensor at a time, so a conversion holds at most one source tensor in memory. A torch pickle in the zip
+format (torch.save since 1.6) is memory-mapped; after each tensor is used the engine calls
+`release(key)`, which returns its pages to the OS (madvise MADV_DONTNEED), so resident memory stays near
+one tensor. A legacy (non-zip) pickle cannot be mapped and is loaded whole.
+
+An index json may name shards in sub-folders (`transformer/diffusion_pytorch_model-00001-of-00004.safetensors`,
+as the unified Cosmos3 release's root index does); paths must stay inside the index's folder.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import pickle
+import sys
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -77,6 +85,9 @@ class WeightReader:
     def get(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def release(self, key: str) -> None:
+        """The engine is done with `key`'s data: drop any cached/mapped memory it holds (may be re-read)."""
+
     def close(self) -> None:
         pass
 
@@ -138,14 +149,26 @@ class SafetensorsReader(WeightReader):
             raise ConversionError(f"{index}: expected an object with a non-empty 'weight_map'")
         self._index_map: dict[str, Path] = {}
         shards: list[Path] = []
+        checked: dict[str, Path] = {}
+        root = index.parent.resolve()
         for k, f in wm.items():
-            if not isinstance(f, str) or not f or "/" in f or "\\" in f or f in (".", ".."):
-                raise ConversionError(f"{index}: key {k!r} maps to {f!r}, which is not a plain shard file name")
-            p = index.parent / f
+            if f not in checked:
+                ok = isinstance(f, str) and bool(f) and "\\" not in f and not f.startswith("/") and all(
+                    part not in ("", ".", "..") for part in f.split("/"))
+                if ok:
+                    try:
+                        (index.parent / f).resolve().relative_to(root)
+                    except ValueError:
+                        ok = False  # a symlinked folder pointing outside
+                if not ok:
+                    raise ConversionError(f"{index}: key {k!r} maps to {f!r}, which is not a plain shard file name "
+                                          f"(a relative path inside {index.parent})")
+                checked[f] = index.parent / f
+            p = checked[f]
             self._index_map[k] = p
             if p not in shards:
                 shards.append(p)
-        absent = [p.name for p in shards if not p.is_file()]
+        absent = [str(p.relative_to(index.parent)) for p in shards if not p.is_file()]
         if absent:
             raise ConversionError(f"{index}: shard file(s) named in the index are missing: {name_some(absent)}")
         return shards
@@ -161,7 +184,7 @@ class SafetensorsReader(WeightReader):
             for k in keys:
                 if k in self._infos:
                     raise ConversionError(f"{shard}: duplicate key {k!r}: also present in shard "
-                                          f"{self._infos[k].file.name} (one key, two shards)")
+                                          f"{self._infos[k].file} (one key, two shards)")
                 try:
                     sl = h.get_slice(k)
                     tag, shape = sl.get_dtype(), tuple(int(s) for s in sl.get_shape())
@@ -211,9 +234,13 @@ class TorchReader(WeightReader):
         self.path = Path(path)
         self.files = [self.path]
         self.description = "torch pickle (weights_only)"
+        self.mapped = False
         if not self.path.is_file():
             raise ConversionError(f"{self.path}: file not found")
+        self.mapped = False
         obj = self._load()
+        if not self.mapped:
+            self.description = "torch pickle (weights_only; legacy non-zip format, loaded whole)"
         if not isinstance(obj, dict):
             raise ConversionError(f"{self.path}: expected a flat dict of tensors (a state dict), "
                                   f"got {type(obj).__name__}")
@@ -234,8 +261,11 @@ class TorchReader(WeightReader):
         try:
             with warnings.catch_warnings():  # torch warns about pickle protocols; our errors say enough
                 warnings.simplefilter("ignore")
+                zipped = zipfile.is_zipfile(self.path)
                 try:
-                    return torch.load(str(self.path), mmap=zipfile.is_zipfile(self.path), **kw)
+                    obj = torch.load(str(self.path), mmap=zipped, **kw)
+                    self.mapped = zipped
+                    return obj
                 except RuntimeError as e:
                     if "mmap" not in str(e):
                         raise
@@ -261,8 +291,37 @@ class TorchReader(WeightReader):
             raise ConversionError(f"{self.path}: no tensor {key!r}")
         return self._sd[key]
 
+    def release(self, key: str) -> None:
+        if self.mapped and key in self._sd:
+            st = self._sd[key].untyped_storage()
+            _dontneed(st.data_ptr(), st.nbytes())
+
     def close(self) -> None:
         self._sd = {}
+
+
+_MADV_DONTNEED = 4
+_LIBC = None
+
+
+def _dontneed(ptr: int, nbytes: int) -> None:
+    """Tell the kernel we no longer need the (file-backed, unmodified) pages in [ptr, ptr + nbytes): they leave
+    this process's resident set and are re-read from the file if touched again. Linux only; else a no-op."""
+    global _LIBC
+    if not sys.platform.startswith("linux") or nbytes <= 0:
+        return
+    page = mmap.PAGESIZE
+    start = (ptr + page - 1) // page * page
+    end = (ptr + nbytes) // page * page
+    if end <= start:
+        return
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    except (OSError, AttributeError):  # pragma: no cover - no libc: memory is merely not returned early
+        pass
 
 
 def weight_kind_of(path: Path) -> str | None:

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 
 from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes, load_variant
-from manifests.cosmos3.sampling import Cosmos3GenerateRequest
+from manifests import ManifestError
+from manifests.cosmos3.sampling import Cosmos3GenerateRequest, video_request
 from optimized.models.cosmos3.loops import DenoiseJob, FlowDenoiseLoop
 from optimized.models.cosmos3.model import Cosmos3Fast
 from optimized.runtime.events import Event, EventBus
@@ -102,6 +103,14 @@ class Engine:
         """Validate and queue; raises RequestRejected (one clear message) for an invalid or impossible request."""
         return RequestHandle(self, self.scheduler.submit(self.denoise, DenoiseJob(request, record_trajectory),
                                                          request_id))
+
+    def submit_video(self, *, num_frames: int, height: int, width: int, **kw) -> RequestHandle:
+        """Submit from pixel sizes (num_frames 4k + 1, height/width multiples of 16)."""
+        try:
+            request = video_request(self.model.cfg, num_frames=num_frames, height=height, width=width, **kw)
+        except (ManifestError, TypeError) as e:
+            raise RequestRejected(str(e)) from None
+        return self.submit(request)
 
     def generate(self, request: Cosmos3GenerateRequest, record_trajectory: bool = False) -> dict:
         return self.submit(request, record_trajectory).result()

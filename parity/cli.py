@@ -17,7 +17,7 @@ from parity.report import Report
 
 LEVEL_HELP = {
     "C0": "component parity: packing, position ids, one decoder layer, full forward, batching, und cache",
-    "C1": "loop parity: the denoise trajectory step by step (not implemented yet)",
+    "C1": "loop parity: denoise trajectories step by step, batched concurrent requests, CFG policies, modes",
     "C2": "logprob identity of a rollout vs its recompute (not implemented yet)",
     "C3": "rollout distributions, two-sample test (not implemented yet)",
     "C4": "decoded artifacts: SSIM/PSNR of frames, SNR of audio (not implemented yet)",
@@ -73,8 +73,9 @@ def list_cmd() -> None:
 @click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
               help="A canonical checkpoint directory written by fvconvert, used instead of random weights.")
 @click.option("--device", default="cpu", show_default=True, help="torch device, e.g. cpu or cuda.")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "all"]), default="all", show_default=True,
-              help="Precision(s) to check; each uses the ParityContract tolerance for that dtype.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "all"]), default=None,
+              help="Precision(s) to check; each uses the ParityContract tolerance for that dtype. "
+                   "Default: all for C0, fp32 for C1 (bf16 trajectories compound rounding; ask for them).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random weights and inputs.")
 @click.option("--plant-fault", "fault", default=None,
               help="Negative control: plant a named fault in the optimized side; the run must FAIL and "
@@ -92,6 +93,7 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, jso
         if level not in fam.LEVELS:
             raise SetupError(f"level {level} is not implemented for {family} yet "
                              f"(implemented: {', '.join(fam.LEVELS) or 'none'})")
+        dtype = dtype or ("all" if level == "C0" else "fp32")
         report = fam.LEVELS[level](variants=list(variants), checkpoint=checkpoint, device=device,
                                    dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed,
                                    fault=fault, progress=lambda msg: click.echo(msg, err=True))

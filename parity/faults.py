@@ -81,3 +81,69 @@ def planted(fault: str | None, fast, cfg: Cosmos3Config) -> Iterator[None]:
     with factory(fast, cfg):
         yield
     fast.clear_und_cache()  # nothing computed under the fault survives it
+
+
+# ------------------------------------------------------------------------------------------------
+# C1 (loop) faults, planted in an Engine
+# ------------------------------------------------------------------------------------------------
+
+def _wrong_flow_shift(engine):
+    """The optimized schedule applies flow_shift * 1.5."""
+    from optimized.models.cosmos3 import unipc
+    return _patched(unipc, "shifted_sigmas", lambda original: lambda base, shift: original(base, shift * 1.5))
+
+
+def _swapped_cfg(engine):
+    """Guidance combine with cond and uncond swapped."""
+    from optimized.models.cosmos3 import loops
+    return _patched(loops, "cfg_combine", lambda original: lambda c, u, scale: original(u, c, scale))
+
+
+@contextlib.contextmanager
+def _stale_und_cache(engine) -> Iterator[None]:
+    """The und-stream cache key forgets the prompt content: a changed prompt of the same length reuses the
+    previous prompt's K/V."""
+    from dataclasses import replace
+    fast = engine.model
+    original = fast.und_cache_key
+    fast.und_cache_key = lambda text_ids, *a, **kw: replace(original(text_ids, *a, **kw), input_hashes=())
+    try:
+        yield
+    finally:
+        del fast.und_cache_key
+
+
+def _shared_solver_state(engine):
+    """Requests of the same shape share one solver state (one scheduler object per shape, as if the
+    scheduler were not per-request loop state): each step of one advances the other."""
+    from optimized.models.cosmos3 import loops
+    shared: dict[tuple, object] = {}
+
+    def sharing(original):
+        def advance(solver, velocity, x):
+            key = (tuple(x.shape), solver.num_steps)
+            state = shared.get(key, solver)
+            if state.index >= state.num_steps:  # a fresh request of this shape starts over
+                state = solver
+            new_state, x_next = original(state, velocity, x)
+            shared[key] = new_state
+            return new_state, x_next
+        return advance
+    return _patched(loops, "advance", sharing)
+
+
+COSMOS3_C1_FAULTS = {
+    "wrong-flow-shift": _wrong_flow_shift,
+    "swapped-cfg": _swapped_cfg,
+    "stale-und-cache": _stale_und_cache,
+    "shared-solver-state": _shared_solver_state,
+}
+
+
+@contextlib.contextmanager
+def planted_c1(fault: str | None, engine) -> Iterator[None]:
+    if fault is None:
+        yield
+        return
+    with COSMOS3_C1_FAULTS[fault](engine):
+        yield

@@ -22,6 +22,7 @@ class CheckResult:
     tolerance: Tolerance | None = None
     detail: str = ""                      # what was compared, or why it failed
     divergence: str | None = None         # first divergent layer by canonical name (C0/C1)
+    extra: dict | None = None             # per-modality metrics and other detail for --json
 
     def to_dict(self) -> dict:
         return {
@@ -31,6 +32,7 @@ class CheckResult:
             "tolerance": {k: v for k, v in vars(self.tolerance).items() if v is not None} if self.tolerance else "exact",
             "detail": self.detail,
             "first_divergence": self.divergence,
+            **({"extra": self.extra} if self.extra else {}),
         }
 
 

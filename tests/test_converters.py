@@ -169,7 +169,8 @@ def _manifest_dict() -> dict:
 @pytest.mark.parametrize("breakage, needle", [
     (lambda d: d["rules"].__setitem__(1, {**d["rules"][1], "match": "embed_tokens\\.weight"}), "anchored"),
     (lambda d: d["rules"].__setitem__(1, {**d["rules"][1], "match": "^embed_tokens\\.weight"}), "anchored"),
-    (lambda d: d["rules"].__setitem__(1, {**d["rules"][1], "op": "fuse"}), "op 'fuse' unknown"),
+    (lambda d: d["rules"].__setitem__(1, {**d["rules"][1], "op": "merge"}), "op 'merge' unknown"),
+    (lambda d: d["rules"].__setitem__(1, {**d["rules"][1], "op": "fuse"}), "a fuse rule needs 'dim'"),
     (lambda d: d["rules"].__setitem__(1, {**d["rules"][1], "match": "^(unclosed$"}), "does not compile"),
     (lambda d: d["rules"].__setitem__(5, {**d["rules"][5], "to": "vision_in.\\3"}), "refers to group"),
     (lambda d: d["rules"].__setitem__(0, {"op": "drop", "match": "^x$"}), "needs a 'reason'"),

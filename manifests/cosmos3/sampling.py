@@ -145,3 +145,15 @@ def latent_frames_for(num_frames: int, temporal_compression: int = 4) -> int:
     if num_frames < 1 or (num_frames - 1) % temporal_compression:
         raise ManifestError(f"num_frames must be {temporal_compression}k + 1, got {num_frames}")
     return (num_frames - 1) // temporal_compression + 1
+
+
+def video_request(cfg: Cosmos3Config, *, num_frames: int, height: int, width: int, spatial_compression: int = 16,
+                  temporal_compression: int = 4, **kw) -> Cosmos3GenerateRequest:
+    """A request from pixel-space sizes (the Wan2.2 VAE: 16x spatial, 4x causal temporal), validated."""
+    for name, v in (("height", height), ("width", width)):
+        if not isinstance(v, int) or v <= 0 or v % spatial_compression:
+            raise ManifestError(f"cosmos3 request: {name} must be a positive multiple of {spatial_compression}, got {v}")
+    req = Cosmos3GenerateRequest(latent_frames=latent_frames_for(num_frames, temporal_compression),
+                                 latent_height=height // spatial_compression, latent_width=width // spatial_compression,
+                                 **kw)
+    return req.validate(cfg)

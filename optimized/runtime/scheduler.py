@@ -188,7 +188,11 @@ class WorkUnitScheduler:
         t0 = time.perf_counter()
         try:
             new_states = kernel.run_step([r.state for r in recs], plans)
-        except Exception as e:  # a failing step fails its requests, not the engine
+        except Exception as e:  # a failing step fails its own request, not the engine or its batch mates
+            if len(recs) > 1:
+                for rid, plan in zip(rids, plans):  # isolate the culprit: rerun each alone
+                    self._run_group([rid], [plan], batch_key)
+                return
             for rec in recs:
                 rec.error = f"{type(e).__name__}: {e}"
                 self._drop(rec, "failed")

@@ -24,7 +24,7 @@ import optimized.models.cosmos3 as opt
 import reference.cosmos3 as ref
 
 DEFAULT_VARIANTS = ("tiny", "tiny-edge")
-FAULTS = tuple(fault_lib.COSMOS3_FAULTS)
+FAULTS = tuple(fault_lib.COSMOS3_FAULTS) + tuple(fault_lib.COSMOS3_C1_FAULTS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -158,7 +158,7 @@ def _resolve_models(variants: list[str], checkpoint: str | None, seed: int):
 def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
            fault: str | None, progress: Callable[[str], None]) -> Report:
     if fault is not None and fault not in fault_lib.COSMOS3_FAULTS:
-        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(fault_lib.COSMOS3_FAULTS)}")
+        raise SetupError(f"unknown C0 fault {fault!r}; known: {', '.join(fault_lib.COSMOS3_FAULTS)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SetupError("--device cuda requested but CUDA is not available")
     contract = load_parity_contract("cosmos3")
@@ -340,4 +340,9 @@ def check_converted(out_dir) -> dict:
             "checks": len(report.checks), "failed": failed}
 
 
-LEVELS = {"C0": run_c0}
+def _run_c1(*args, **kw) -> Report:
+    from parity.families.cosmos3_c1 import run_c1
+    return run_c1(*args, **kw)
+
+
+LEVELS = {"C0": run_c0, "C1": _run_c1}

@@ -255,12 +255,15 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
                 "timesteps": s.timesteps[: s.step]}
 
     def release(self, s: DenoiseState) -> None:
-        """Drop this request's hold on its und-stream cache entries; evict those no live request uses."""
+        """Drop this request's hold on its und-stream cache entries. A cancelled (or failed) request's entries
+        that no live request uses are evicted now; a completed request's stay in the LRU store for reuse."""
+        finished = self.is_done(s)
         for k in s.und_keys:
             n = self.und_refcount.get(k, 0) - 1
             if n <= 0:
                 self.und_refcount.pop(k, None)
-                self.fast.und_cache.evict(k)
+                if not finished:
+                    self.fast.und_cache.evict(k)
             else:
                 self.und_refcount[k] = n
         s.und_keys = ()
