@@ -79,7 +79,7 @@ class _Bar:
 
 
 def _progress_bar(quiet: bool):
-    stream = click.get_text_stream("stderr")
+    stream = sys.stderr
     if quiet or not stream.isatty():
         return None
     return _Bar(stream)
@@ -262,7 +262,16 @@ def inspect_cmd(src: Path, config: Path | None, list_keys: bool, as_json: bool) 
         best = next(g for g in info["guesses"] if g["format"] == info["best"])
         verdict = "strict conversion would pass" if best["strict"] == "ok" else (
             f"strict check: {best['strict']}" if best["strict"] else "no config to check against")
+        if best["strict"] == "ok" and best.get("variant"):
+            verdict += f" as variant {best['variant']} (--variant {best['variant']})"
         click.echo(f"format:  {info['best']}  ({best['matched']}/{best['total']} keys matched; {verdict})")
+        parts = best.get("parts")
+        if parts:
+            click.echo("parts:   " + (f"complete ({', '.join(parts['filled'])})" if not parts["unfilled"] else
+                                      f"PARTIAL: fills {', '.join(parts['filled'])}; lacks {', '.join(parts['unfilled'])}"))
+        extra = [f"{best[k]} {k}" for k in ("dropped", "sidecar", "normalized") if best.get(k)]
+        if extra:
+            click.echo("rules:   " + ", ".join(extra) + " keys (the manifest's drop/sidecar/normalize entries)")
     else:
         click.echo("format:  unknown (no manifest rule matches any key)")
     click.echo(f"keys:    {info['num_keys']}, {human_count(info['num_params'])} params, {human_bytes(info['bytes'])}"

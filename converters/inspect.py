@@ -74,6 +74,80 @@ def _group(key: str) -> str:
     return parts[0] if len(parts) > 1 else key
 
 
+def _config_path_for(m, src: Path, wpath: Path, config) -> Path | None:
+    if config is not None:
+        return Path(config)
+    if src.is_dir():
+        for w in m.weight_files:
+            if w.config and (src / w.path).resolve() == wpath.resolve():
+                return src / w.config
+    if m.config_file and (wpath.parent / m.config_file).is_file():
+        return wpath.parent / m.config_file
+    return None
+
+
+def _guess(fam, m, src: Path, wpath: Path, infos: dict[str, TensorInfo], config) -> dict[str, Any]:
+    """How well manifest `m` explains the keys, and whether a strict conversion would pass (with the source's
+    config, else with the first named variant that fits)."""
+    from converters.engine import plan_conversion, read_source_config
+
+    keys = list(infos)
+    rules = [m.match(k)[0] for k in keys]
+    g: dict[str, Any] = {"format": m.id, "matched": sum(r is not None for r in rules), "total": len(keys),
+                         "strict": None, "variant": None, "fills": list(m.fills) if m.fills else None,
+                         "dropped": sum(r is not None and r.op == "drop" for r in rules),
+                         "sidecar": sum(r is not None and r.op == "sidecar" for r in rules),
+                         "normalized": sum(m.normalize_key(k) != k for k in keys)}
+    if not g["matched"]:
+        return g
+    cpath = _config_path_for(m, src, wpath, config)
+    if cpath is not None and cpath.is_file():
+        try:
+            cfg, _ = read_source_config(fam, m, cpath)
+            plan = plan_conversion(fam, m, cfg, infos, allow_truncate=False)
+            g["strict"] = "ok"
+            g["parts"] = plan.parts
+            return g
+        except Exception as e:  # noqa: BLE001 - a guess, reported as text
+            g["strict"] = str(e)
+            if m.config_file is not None:
+                return g
+    for v in fam.list_variants():
+        try:
+            plan = plan_conversion(fam, m, fam.load_variant(v), infos, allow_truncate=False)
+        except Exception:  # noqa: BLE001
+            continue
+        g["strict"], g["variant"], g["parts"] = "ok", v, plan.parts
+        return g
+    if g["strict"] is None:
+        g["strict"] = "no config to check against, and no named variant fits (pass --config)"
+    return g
+
+
+def _canonical_guess(fam, root: Path, raw_cfg, infos: dict[str, TensorInfo]) -> dict[str, Any]:
+    keys = list(infos)
+    g: dict[str, Any] = {"format": f"{fam.name}/canonical", "matched": 0, "total": len(keys), "strict": None}
+    if not isinstance(raw_cfg, dict):
+        return g
+    try:
+        from converters.canonical import canonical_parts
+
+        cfg = fam.config_from_dict(raw_cfg)
+        held = canonical_parts(root, fam, cfg)
+        by_part = fam.part_keys(cfg)
+        want = {k: s for k, s in fam.key_shapes(cfg).items()
+                if any(k in by_part.get(p, []) for p in held["filled"])}
+        g["matched"] = sum(k in want for k in keys)
+        bad = [k for k in keys if k not in want or tuple(infos[k].shape) != tuple(want[k])]
+        miss = [k for k in want if k not in infos]
+        g["strict"] = "ok" if not bad and not miss else f"{len(bad)} unexpected/mis-shaped, {len(miss)} missing"
+        g["parts"] = held
+        g["fills"] = held["filled"]
+    except Exception as e:  # noqa: BLE001
+        g["strict"] = f"config.json is not a canonical {fam.name} config ({str(e)[:120]})"
+    return g
+
+
 def inspect_source(src: str | Path, config: str | Path | None = None, list_keys: bool = False) -> dict[str, Any]:
     src = Path(src)
     kind, wpath, notes = _resolve(src)
@@ -95,32 +169,10 @@ def inspect_source(src: str | Path, config: str | Path | None = None, list_keys:
     for fam_name in family_names():
         fam = get_family(fam_name)
         for fmt in fam.formats():
-            m = load_manifest(fam_name, fmt)
-            matched = sum(m.match(k)[0] is not None for k in keys)
-            g = {"format": m.id, "matched": matched, "total": len(keys), "strict": None}
-            if matched and isinstance(raw_cfg, dict):
-                from converters.engine import plan_conversion
-
-                try:
-                    cfg = fam.config_mappings[m.config_mapping](raw_cfg)
-                    plan_conversion(fam, m, cfg, infos, allow_truncate=False)
-                    g["strict"] = "ok"
-                except Exception as e:  # noqa: BLE001 - a guess, reported as text
-                    g["strict"] = str(e)
-            guesses.append(g)
-        # canonical layout of this family
-        g = {"format": f"{fam_name}/canonical", "matched": 0, "total": len(keys), "strict": None}
-        if isinstance(raw_cfg, dict):
-            try:
-                want = fam.key_shapes(fam.config_from_dict(raw_cfg))
-                g["matched"] = sum(k in want for k in keys)
-                bad = [k for k in keys if k not in want or tuple(infos[k].shape) != tuple(want[k])]
-                miss = [k for k in want if k not in infos]
-                g["strict"] = "ok" if not bad and not miss else f"{len(bad)} unexpected/mis-shaped, {len(miss)} missing"
-            except Exception as e:  # noqa: BLE001
-                g["strict"] = f"config.json is not a canonical {fam_name} config ({str(e)[:120]})"
-        guesses.append(g)
-    guesses.sort(key=lambda g: (g["strict"] == "ok", g["matched"] / max(1, g["total"])), reverse=True)
+            guesses.append(_guess(fam, load_manifest(fam_name, fmt), src, wpath, infos, config))
+        guesses.append(_canonical_guess(fam, src if src.is_dir() else wpath.parent, raw_cfg, infos))
+    guesses.sort(key=lambda g: (g["strict"] == "ok", g["matched"] / max(1, g["total"]),
+                                len((g.get("parts") or {}).get("filled", ())), -g.get("dropped", 0)), reverse=True)
     best = guesses[0] if guesses and guesses[0]["matched"] else None
 
     groups: dict[str, dict] = defaultdict(lambda: {"keys": 0, "params": 0, "dtypes": Counter(), "shapes": Counter()})

@@ -31,7 +31,7 @@ def test_c0_passes_with_table_and_json(fvparity, tmp_path):
 def test_list_shows_levels(fvparity):
     proc = fvparity("list")
     assert proc.returncode == 0
-    assert "cosmos3" in proc.stdout and "tiny-edge" in proc.stdout and "C1(-)" in proc.stdout
+    assert "cosmos3" in proc.stdout and "tiny-edge" in proc.stdout and "C2(-)" in proc.stdout and "C1(-)" not in proc.stdout
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -39,7 +39,7 @@ def test_list_shows_levels(fvparity):
     (("run", "cosmos3", "--level", "C0", "--variant", "huge"), "unknown variant 'huge'"),
     (("run", "cosmos3", "--level", "C2"), "not implemented for cosmos3"),
     (("run", "cosmos3", "--level", "C9"), "C9"),
-    (("run", "cosmos3", "--level", "C0", "--plant-fault", "nope"), "unknown fault 'nope'"),
+    (("run", "cosmos3", "--level", "C0", "--plant-fault", "nope"), "fault 'nope'"),
     (("run", "cosmos3", "--level", "C0", "--checkpoint", "/nonexistent/ckpt"), "/nonexistent/ckpt"),
     (("golden", "/nonexistent/case"), "not a directory"),
 ])
@@ -52,3 +52,18 @@ def test_golden_case_missing_file(fvparity, tmp_path):
     case.mkdir()
     (case / "case.json").write_text("{}")
     assert_one_line_error(fvparity("golden", str(case)), "missing upstream")
+
+
+def test_c1_passes_with_per_step_rows(fvparity, tmp_path):
+    out = tmp_path / "c1.json"
+    proc = fvparity("run", "cosmos3", "--level", "C1", "--variant", "tiny-edge", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    names = [c["name"] for c in doc["checks"]]
+    for case in ("t2v", "concurrent3/req0", "concurrent3/req2", "two_forward_cfg", "i2v", "karras_shipped",
+                 "policy", "forward_dynamics", "inverse_dynamics"):
+        steps = [n for n in names if n.startswith(f"tiny-edge/fp32/{case}/step")]
+        assert len(steps) == doc["settings"]["steps"], case
+    step = next(c for c in doc["checks"] if c["name"] == "tiny-edge/fp32/policy/step3")
+    assert set(step["extra"]) == {"vision", "action"} and step["metrics"]["rel_l2"] <= 1e-4
+    assert all(c["passed"] for c in doc["checks"] if c["name"].endswith("batched_with_others"))

@@ -34,3 +34,26 @@ def test_fault_fails_and_is_localised(fvparity, tmp_path, fault):
 def test_no_fault_passes_same_selection(fvparity):
     proc = fvparity("run", "cosmos3", "--level", "C0", "--variant", "tiny", "--dtype", "fp32")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+C1_EXPECTED = {  # fault -> (a failing check, what its localisation must say)
+    "wrong-flow-shift": ("tiny/fp32/t2v/step0", "step 0, no layer: after the transformer"),
+    "swapped-cfg": ("tiny/fp32/t2v/step0", "step 0, no layer: after the transformer"),
+    "stale-und-cache": ("tiny/fp32/prompt_change_warm_cache/req1/step0", "step 0, cond branch, layer layers.0.gen"),
+    "shared-solver-state": ("tiny/fp32/concurrent3/req2/step0", "step 0, no layer: after the transformer"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(C1_EXPECTED))
+def test_c1_fault_fails_at_named_step_and_layer(fvparity, tmp_path, fault):
+    out = tmp_path / "r.json"
+    proc = fvparity("run", "cosmos3", "--level", "C1", "--variant", "tiny", "--plant-fault", fault,
+                    "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    name, where = C1_EXPECTED[fault]
+    assert not checks[name]["passed"]
+    assert checks[name]["first_divergence"].startswith(where), checks[name]["first_divergence"]
+    if fault != "wrong-flow-shift":  # the Karras schedule ignores flow_shift, so that case must still pass
+        return
+    assert all(c["passed"] for n, c in checks.items() if "/karras_shipped/" in n)

@@ -59,6 +59,7 @@ class RequestRecord:
     status: str = "waiting"           # waiting | running | completed | cancelled | failed
     cancel_requested: bool = False
     preempt_requested: bool = False
+    preempted_at: int = -1
     steps_run: int = 0
     result: Any = None
     error: str | None = None
@@ -165,6 +166,7 @@ class WorkUnitScheduler:
                 self._emit("request.cancelled", rec, steps_run=rec.steps_run)
             elif rec.preempt_requested and rid in self.running:
                 rec.preempt_requested = False
+                rec.preempted_at = self.tick_count
                 self.running.remove(rid)
                 self.reserved_bytes -= rec.reservation.device_bytes
                 self.waiting.insert(0, rid)  # first in line to come back
@@ -174,6 +176,9 @@ class WorkUnitScheduler:
     def _admit(self) -> None:
         for rid in list(self.waiting):
             rec = self.records[rid]
+            if rec.preempted_at == self.tick_count:
+                continue  # room made by a preemption goes to others this tick
+
             if self.reserved_bytes + rec.reservation.device_bytes > self.memory_budget_bytes:
                 break  # FIFO: later arrivals do not overtake a waiting earlier one
             self.waiting.remove(rid)

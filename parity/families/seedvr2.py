@@ -160,7 +160,8 @@ def sp_worker(group: SPGroup, cfg_name: str, state, inp: NaDiTInputs, dtype_name
         out = run_optimized(fast, inp, dtype, group, trace=rec)
         err = None
     except RuntimeError as e:
-        out, err = None, str(e)
+        import traceback
+        out, err = None, f"{e} @ {traceback.format_exc(limit=-3)}" if os.environ.get("FVPARITY_DEBUG") else str(e)
     counts = {m: [int(r.numel()) for r in lay.plan.layout.rank_rows] for m, lay in
               getattr(fast, "_last_layouts", {}).items()}
     return {"single": single, "out": out, "error": err, "trace": rec.records if group.rank == 0 else None,
@@ -253,11 +254,12 @@ def nadit_checks(vname: str, dname: str, cfg, state, tol, seed, world_sizes, fau
                 continue
             progress(f"[seedvr2 C0] {prefix}: sp={ws} on {ws} gloo ranks")
             res = run_ranks(sp_worker, ws, (vname, state, inp, dname, fault), timeout_s=300)
-            for r, rr in enumerate(res):
-                if rr["error"]:
-                    checks.append(CheckResult(f"{prefix}/sp={ws}/rank{r}", False, detail=rr["error"],
-                                              divergence=rr["error"].split(" (")[0]))
-                    break
+            errors = [(r, rr["error"]) for r, rr in enumerate(res) if rr["error"]]
+            if errors:  # report the root cause: a local error beats a peer's collective failure
+                errors.sort(key=lambda e: ("failed (" in e[1], e[0]))
+                r, err = errors[0]
+                checks.append(CheckResult(f"{prefix}/sp={ws}", False, detail=f"rank {r}: {err}",
+                                          divergence=err.split(" (")[0]))
             else:
                 traced = res[0]["trace"] if len(grids) == 1 else {}
                 checks.append(_compare(f"{prefix}/sp={ws}", res[0]["out"], want, tol,

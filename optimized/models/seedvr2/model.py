@@ -81,7 +81,7 @@ def rope_angles_for(cfg: NaDiTConfig, freqs: torch.Tensor, coords: torch.Tensor,
             pos[m] = table[coords[m]]
     pos = pos.float()
     ang = pos[:, :, None] * freqs.float()[None, None, :]          # (n, 3, nf)
-    return ang.repeat_interleave(2, dim=-1).reshape(pos.shape[0], -1)
+    return ang.repeat_interleave(2, dim=-1).reshape(pos.shape[0], 6 * freqs.numel())
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,195 @@
+"""Shared VAE parity helpers (chunk-trace assembly, golden-case loading) and the cosmos3 sound tokenizer checks:
+C0 (reference vs optimized decoder, whole clip and chunked) and the upstream golden probes `cosmos3.sound_decode`,
+`cosmos3.sound_encode`. Exposes the family interface (LEVELS, variants(), DEFAULT_VARIANTS, FAULTS) so it can be
+registered as its own fvparity family (e.g. "cosmos3-sound")."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+
+from manifests import ManifestError
+from manifests.cosmos3.sound import Cosmos3SoundConfig, canonical_key_shapes, list_variants, load_variant
+from manifests.parity import load_parity_contract
+from parity.errors import SetupError
+from parity.metrics import compare, within
+from parity.report import CheckResult, Report
+
+import optimized.models.cosmos3.sound as opt_sound
+import reference.cosmos3.sound as ref_sound
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_VARIANTS = ("tiny",)
+FAULTS = ("perturbed-weight",)
+
+
+class ChunkTrace:
+    """Collects `trace(name, tensor)` calls; a name recorded once per chunk is concatenated along `dim`."""
+
+    def __init__(self, dim: int = 2):
+        self.parts: dict[str, list[torch.Tensor]] = {}
+        self.dim = dim
+
+    def __call__(self, name: str, t: torch.Tensor) -> None:
+        self.parts.setdefault(name, []).append(t.detach().clone())
+
+    @property
+    def records(self) -> dict[str, torch.Tensor]:
+        return {k: torch.cat(v, self.dim) for k, v in self.parts.items()}
+
+
+def upstream_state(case) -> tuple[dict, dict[str, torch.Tensor]]:
+    """diffusers config + state dict of a golden case's upstream/ (diffusers names = canonical names: identity)."""
+    up = case.path / "upstream"
+    try:
+        config = json.loads((up / "config.json").read_text())
+        state = load_file(str(up / "diffusion_pytorch_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise SetupError(f"golden case {case.path}: cannot read upstream/ ({e})") from None
+    if case.meta.get("upstream_format") != "diffusers":
+        raise SetupError(f"golden case {case.path}: upstream_format must be 'diffusers'")
+    return config, {k: v.float() for k, v in state.items()}
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, tol, divergence: str | None = None,
+          detail: str = "") -> CheckResult:
+    m = compare(got, want)
+    ok = within(m, tol)
+    return CheckResult(name, ok, m, tol, detail=detail, divergence=None if ok else divergence)
+
+
+# ------------------------------------------------------------------------------------------------
+# cosmos3 sound decoder C0
+# ------------------------------------------------------------------------------------------------
+
+def variants() -> list[str]:
+    return list_variants()
+
+
+def sound_random_state(cfg: Cosmos3SoundConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights that keep the waveform mostly inside the [-1, 1] clamp (weight-norm g ~ 0.5)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, shape in sorted(canonical_key_shapes(cfg).items()):
+        r = torch.randn(shape, generator=g)
+        if k.endswith("weight_g"):
+            out[k] = (2.0 if k == "decoder.conv2.weight_g" else 0.5) * (1 + 0.1 * r)
+        elif k.endswith((".alpha", ".beta")):
+            out[k] = 0.3 * r
+        elif k.endswith("norm.weight"):
+            out[k] = 1 + 0.1 * r
+        elif len(shape) == 1:
+            out[k] = 0.1 * r
+        else:
+            out[k] = r / (r[0].numel() ** 0.5)
+    return out
+
+
+@contextlib.contextmanager
+def _planted(fault: str | None, fast):
+    if fault is None:
+        yield
+        return
+    w = fast.w["decoder.block.1.conv_t1"]
+    saved = w.clone()
+    w.view(-1)[0] += 1e-2 * w.abs().max()
+    try:
+        yield
+    finally:
+        w.copy_(saved)
+
+
+def run_sound_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
+                 fault: str | None, progress: Callable[[str], None]) -> Report:
+    if checkpoint is not None:
+        raise SetupError("cosmos3 sound C0: --checkpoint is not supported yet (seeded random weights only)")
+    if fault is not None and fault not in FAULTS:
+        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SetupError("--device cuda requested but CUDA is not available")
+    contract = load_parity_contract("cosmos3/sound")
+    report = Report("cosmos3-sound", "C0", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
+                                            "dtypes": dtypes, "seed": seed, "fault": fault})
+    for v in variants or DEFAULT_VARIANTS:
+        try:
+            cfg = load_variant(v)
+        except ManifestError as e:
+            raise SetupError(str(e)) from None
+        state = sound_random_state(cfg, seed)
+        for dname in dtypes:
+            dtype, tol = DTYPES[dname], contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
+            progress(f"[cosmos3-sound C0] {v} {dname}")
+            ref = ref_sound.load_sound_tokenizer(cfg, state, device, dtype)
+            fast = opt_sound.load_fast_sound_decoder(cfg, state, device, dtype)
+            T = 2 * opt_sound.halo_frames(cfg) + 5 if v.startswith("tiny") else 8
+            z = torch.randn(1, cfg.latent_dim, T, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+            ref_trace = ChunkTrace()
+            with torch.no_grad():
+                want = ref.decode(z, trace=ref_trace)
+            with _planted(fault, fast):
+                got = fast.decode(z)
+                chunked = fast.decode_chunked(z, max(1, T // 3))
+                unbatched = fast.decode(z[0])
+            div = "decoder.block.1" if fault else "decoder"
+            p = f"{v}/{dname}/sound_decode"
+            report.checks.append(check(f"{p}/whole", got, want, tol, div,
+                                       f"[{cfg.latent_dim}, {T}] -> {list(want.shape)}, weight norm folded at load"))
+            report.checks.append(check(f"{p}/chunked", chunked, want, tol, div,
+                                       f"{max(1, T // 3)} latent frames per chunk, halo {opt_sound.halo_frames(cfg)}"))
+            report.checks.append(check(f"{p}/unbatched", unbatched, want[0], tol, div, "[C, T] input"))
+    return report
+
+
+LEVELS = {"C0": run_sound_c0}
+
+
+# ------------------------------------------------------------------------------------------------
+# Golden probes
+# ------------------------------------------------------------------------------------------------
+
+def _sound_case(case):
+    config, state = upstream_state(case)
+    try:
+        cfg = Cosmos3SoundConfig.from_diffusers_config(config)
+    except ManifestError as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+    return cfg, state
+
+
+def golden_sound_decode_probe(case, sides) -> list[CheckResult]:
+    cfg, state = _sound_case(case)
+    z, want, tol = case.inputs["latents"], case.outputs["audio"], case.tolerance
+    results = []
+    for side in sides:
+        if side == "reference":
+            got = ref_sound.load_sound_tokenizer(cfg, state).decode(z)
+            results.append(check(f"{case.name}/reference:audio", got, want, tol))
+        else:
+            fast = opt_sound.load_fast_sound_decoder(cfg, state)
+            results.append(check(f"{case.name}/optimized:audio", fast.decode(z), want, tol))
+            results.append(check(f"{case.name}/optimized:audio_chunked", fast.decode_chunked(z, 2), want, tol))
+    return results
+
+
+def golden_sound_encode_probe(case, sides) -> list[CheckResult]:
+    """Reference side only: the optimized runtime has no sound encoder (the pipeline never encodes sound)."""
+    cfg, state = _sound_case(case)
+    seed = case.meta.get("params", {}).get("sample_seed")
+    if seed is None:
+        raise SetupError(f"golden case {case.path}: params.sample_seed missing")
+    results = []
+    if "reference" in sides:
+        with torch.no_grad():
+            post = ref_sound.load_sound_tokenizer(cfg, state).encode(case.inputs["audio"])
+            sample = post.sample(torch.Generator().manual_seed(seed))
+        for name, got in (("posterior_mean", post.mean), ("posterior_std", post.std), ("posterior_sample", sample)):
+            results.append(check(f"{case.name}/reference:{name}", got, case.outputs[name], case.tolerance))
+    return results
+
+
+PROBES = {"cosmos3.sound_decode": golden_sound_decode_probe, "cosmos3.sound_encode": golden_sound_encode_probe}

@@ -1,0 +1,85 @@
+"""cosmos3 sound tokenizer: manifests, reference vs upstream goldens, optimized decoder (folded weight norm, chunked
+with halo) vs reference, bad input, WAV artifacts."""
+
+import wave
+from pathlib import Path
+
+import pytest
+import torch
+
+from manifests.cosmos3.sound import canonical_key_shapes, list_variants, load_variant
+from parity import vae_checks
+from parity.golden import load_case
+
+import optimized.models.cosmos3.sound as opt
+import reference.cosmos3.sound as ref
+from optimized.runtime import artifacts
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = sorted(p for p in (ROOT / "golden" / "cosmos3_sound").iterdir() if p.is_dir())
+
+
+def test_variants():
+    assert {"tiny", "avae"} <= set(list_variants())
+    avae = load_variant("avae")
+    assert (avae.hop, avae.latent_fps, avae.latent_dim, avae.audio_channels, avae.sampling_rate) == (1920, 25.0, 64, 2, 48000)
+
+
+@pytest.mark.upstream
+@pytest.mark.parametrize("variant", ["tiny", "avae"])
+def test_canonical_keys_equal_diffusers(variant):
+    import warnings
+    from diffusers import Cosmos3AVAEAudioTokenizer
+    cfg = load_variant(variant)
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        m = Cosmos3AVAEAudioTokenizer(**cfg.to_diffusers_config())
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == canonical_key_shapes(cfg)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_golden(case):
+    c = load_case(case)
+    results = vae_checks.PROBES[c.meta["probe"]](c, ("reference", "optimized"))
+    assert results and all(r.passed for r in results), [(r.name, r.metrics) for r in results if not r.passed]
+
+
+def test_c0_and_fault():
+    assert vae_checks.run_sound_c0([], None, "cpu", ["fp32"], 0, None, lambda m: None).passed
+    r = vae_checks.run_sound_c0([], None, "cpu", ["fp32"], 0, "perturbed-weight", lambda m: None)
+    assert not r.passed and all(c.divergence == "decoder.block.1" for c in r.checks if not c.passed)
+
+
+def test_chunked_streaming_equals_whole_and_length():
+    cfg = load_variant("tiny")
+    state = vae_checks.sound_random_state(cfg, 1)
+    fast = opt.load_fast_sound_decoder(cfg, state)
+    z = torch.randn(2, cfg.latent_dim, 50)
+    whole = fast.decode(z)
+    assert whole.shape == (2, 2, 50 * cfg.hop)
+    starts = [s for s, _ in fast.decode_chunks(z, 9)]
+    assert starts == [i * 9 * cfg.hop for i in range(6)]
+    assert torch.allclose(fast.decode_chunked(z, 9), whole, atol=1e-6)
+    assert torch.allclose(ref.load_sound_tokenizer(cfg, state).decode(z), whole, atol=1e-6)
+
+
+def test_bad_latents():
+    cfg = load_variant("tiny")
+    state = vae_checks.sound_random_state(cfg, 1)
+    z = torch.randn(cfg.latent_dim, 4)
+    z[1, 1] = float("nan")
+    for decode in (ref.load_sound_tokenizer(cfg, state).decode, opt.load_fast_sound_decoder(cfg, state).decode):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            decode(z)
+        with pytest.raises(ValueError, match="latents must be"):
+            decode(torch.zeros(3, cfg.latent_dim + 1, 4))
+
+
+def test_wav_atomic(tmp_path):
+    audio = torch.rand(2, 300) * 2 - 1
+    p = artifacts.write_wav(audio, tmp_path / "a.wav", 150)
+    with wave.open(str(p)) as w:
+        assert (w.getnchannels(), w.getnframes(), w.getframerate(), w.getsampwidth()) == (2, 300, 150, 2)
+    with pytest.raises(artifacts.ArtifactError):
+        artifacts.write_wav(torch.full((2, 5), float("inf")), tmp_path / "b.wav", 150)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wav"]
