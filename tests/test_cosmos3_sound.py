@@ -26,6 +26,7 @@ def test_variants():
 
 
 @pytest.mark.upstream
+@pytest.mark.slow  # diffusers import; fast counterpart: test_golden
 @pytest.mark.parametrize("variant", ["tiny", "avae"])
 def test_canonical_keys_equal_diffusers(variant):
     import warnings
@@ -83,3 +84,23 @@ def test_wav_atomic(tmp_path):
     with pytest.raises(artifacts.ArtifactError):
         artifacts.write_wav(torch.full((2, 5), float("inf")), tmp_path / "b.wav", 150)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.wav"]
+
+
+def test_cosmos3_decode_seam_both_sides():
+    from manifests.wan import canonical_key_shapes as wan_keys
+    from parity.weights import random_state_dict
+    import optimized.models.wan as opt_wan
+    import reference.wan as ref_wan
+    vcfg, scfg = load_variant("tiny"), None
+    from manifests.wan import load_variant as wan_variant
+    vcfg = wan_variant("tiny-2.2")
+    scfg = load_variant("tiny")
+    vstate, sstate = random_state_dict(wan_keys(vcfg), 0), vae_checks.sound_random_state(scfg, 0)
+    z = torch.randn(1, vcfg.z_dim, 2, 2, 2)
+    s = torch.randn(scfg.latent_dim, 6)
+    want_v, want_a = ref.decode_cosmos3_outputs(ref_wan.load_vae(vcfg, vstate), ref.load_sound_tokenizer(scfg, sstate), z, s)
+    seen = []
+    got_v, got_a = opt.decode_cosmos3_outputs(opt_wan.load_fast_vae(vcfg, vstate), opt.load_fast_sound_decoder(scfg, sstate),
+                                              z, s, on_chunk=seen.append)
+    assert len(seen) == 2 and got_v.shape == want_v.shape == (1, 3, 5, 32, 32) and got_a.shape == (2, 6 * scfg.hop)
+    assert ((got_v - want_v).norm() / want_v.norm()) < 1e-5 and torch.allclose(got_a, want_a, atol=1e-6)

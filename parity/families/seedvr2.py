@@ -162,8 +162,7 @@ def sp_worker(group: SPGroup, cfg_name: str, state, inp: NaDiTInputs, dtype_name
     except RuntimeError as e:
         import traceback
         out, err = None, f"{e} @ {traceback.format_exc(limit=-3)}" if os.environ.get("FVPARITY_DEBUG") else str(e)
-    counts = {m: [int(r.numel()) for r in lay.plan.layout.rank_rows] for m, lay in
-              getattr(fast, "_last_layouts", {}).items()}
+    counts = dict(fast.last_rank_tokens)
     return {"single": single, "out": out, "error": err, "trace": rec.records if group.rank == 0 else None,
             "stats": vars(fast.stats), "bytes": group.stats["bytes_sent"], "counts": counts}
 

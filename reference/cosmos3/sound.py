@@ -218,3 +218,16 @@ def load_sound_tokenizer(cfg: Cosmos3SoundConfig, state: dict[str, torch.Tensor]
     model = SoundTokenizer(cfg)
     model.load_state_dict(state, strict=True)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def decode_cosmos3_outputs(vae, sound: SoundTokenizer | None, vision_latents: torch.Tensor,
+                           sound_latents: torch.Tensor | None = None):
+    """The seam for the cosmos3 pipeline: final latents -> (video [B, 3, T, H, W] in [-1, 1], waveform or None).
+    Vision latents are de-normalised with the VAE's per-channel latents_mean/std (z * std + mean) before decoding
+    (`vae` is a reference.wan.WanVAE); sound latents [C, T] or [B, C, T] are decoded as they are (no normalisation)."""
+    from reference.wan import denormalize_latents
+
+    with torch.no_grad():
+        video = vae.decode(denormalize_latents(vae.cfg, vision_latents))
+        audio = None if sound_latents is None or sound is None else sound.decode(sound_latents)
+    return video, audio

@@ -103,6 +103,7 @@ class FastNaDiT:
         self.plan_cache = PlanCache()
         self.faults = Faults()
         self.stats = RunStats()
+        self.last_rank_tokens: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ layouts
     def plan(self, req: Request, method: str, world_size: int) -> WindowPlan:
@@ -330,6 +331,7 @@ class FastNaDiT:
             if trace:
                 trace(f"blocks.{i}.vid", self.gather_canonical(x, layout, group))
                 trace(f"blocks.{i}.txt", txt)
+        self.last_rank_tokens = {m: [int(r.numel()) for r in lay.plan.layout.rank_rows] for m, lay in req.layouts.items()}
         if cfg.is_3b:
             # vid_out_ada quirk: upstream's output ada reads the first block's cached 'attn' (shift, scale) of emb
             first = emb.view(emb.shape[0], -1, 2, 3)[:, :, 0]

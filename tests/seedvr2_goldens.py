@@ -1,0 +1,43 @@
+"""Where the public seedvr2 goldens live for tests: golden/seedvr2/<case> in the repo if copied there, else
+../shared/goldens/seedvr2/<case> beside the repo (CI has a read-only copy); tests skip with a reason otherwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+DIRS = (ROOT / "golden" / "seedvr2", ROOT.parent / "shared" / "goldens" / "seedvr2")
+
+
+def golden_dir(case: str) -> Path:
+    for d in DIRS:
+        if (d / case / "case.json").is_file():
+            return d / case
+    pytest.skip(f"seedvr2 golden case {case!r} not found in {[str(d) for d in DIRS]}")
+
+
+def golden_file(name: str) -> Path:
+    for d in DIRS:
+        if (d / name).is_file():
+            return d / name
+    pytest.skip(f"seedvr2 golden file {name!r} not found in {[str(d) for d in DIRS]}")
+
+
+def load_case(case: str):
+    d = golden_dir(case)
+    meta = json.loads((d / "case.json").read_text())
+    return d, meta, load_file(str(d / "inputs.safetensors")), load_file(str(d / "outputs.safetensors"))
+
+
+def upstream_weights(d: Path, name: str = "upstream_weights.pth") -> dict[str, torch.Tensor]:
+    return torch.load(d / name, weights_only=True, map_location="cpu")
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
