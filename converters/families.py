@@ -170,7 +170,19 @@ def _cosmos3() -> Family:
     )
 
 
-_FACTORIES: dict[str, Callable[[], Family]] = {"cosmos3": _cosmos3}
+def _seedvr2() -> Family:  # the SeedVR2 NaDiT (3B dit_v2 / 7B dit); manifests/seedvr2/checkpoints/
+    from manifests.seedvr2 import config as sc
+    from manifests.seedvr2 import keys as sk
+
+    return Family(name="seedvr2", checkpoints_dir=Path(sc.__file__).parent / "checkpoints",
+                  config_from_dict=sc.NaDiTConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
+                  key_shapes=sk.nadit_key_shapes, fp32_keys=sk.nadit_fp32_keys, load_variant=sc.load_variant,
+                  list_variants=sc.list_variants,
+                  config_mappings={"seedvr2_upstream_nadit_config": sc.nadit_from_upstream_config},
+                  layer_key=re.compile(r"^blocks\.(\d+)\."), num_layers_field="num_layers")
+
+
+_FACTORIES: dict[str, Callable[[], Family]] = {"cosmos3": _cosmos3, "seedvr2": _seedvr2}
 _CACHE: dict[str, Family] = {}
 
 

@@ -87,7 +87,7 @@ _COMPONENT = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
 def _templates(to: Any) -> list[str]:
-    return list(to) if isinstance(to, list) else [to]
+    return list(to) if isinstance(to, (list, tuple)) else [to]
 
 
 @dataclass(frozen=True)

@@ -572,7 +572,7 @@ def _base_manifest() -> dict:
      "at least two distinct"),
     (lambda d: d["rules"].append({"op": "fuse", "match": "^a$", "to": "x", "dim": 0, "part": "\\1", "parts": ["0", "1"]}),
      "refers to group"),
-    (lambda d: d["rules"].append({"op": "rename", "match": "^a$", "to": "x", "dim": 0}), "'dim' belongs to split/fuse"),
+    (lambda d: d["rules"].append({"op": "rename", "match": "^a$", "to": "x", "dim": 0}), "unknown fields ['dim']"),
     (lambda d: d["rules"].append({"op": "sidecar", "match": "^a$", "to": "x", "sidecar": "Bad Name", "reason": "r"}),
      "folder name"),
     (lambda d: d["rules"].append({"op": "sidecar", "match": "^a$", "to": "x", "sidecar": "vit"}), "needs a 'reason'"),
@@ -738,7 +738,7 @@ def test_inspect_guesses_every_format(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "cosmos3/framework" in text and "as variant tiny-edge (--variant tiny-edge)" in text
     assert main(["inspect", str(tmp_path / "transformers")]) == 0
-    assert "PARTIAL: fills und; lacks gen, vision_heads, action_heads" in capsys.readouterr().out
+    assert "PARTIAL: fills und; lacks gen, vision_heads" in capsys.readouterr().out
 
 
 def test_progress_bar():

@@ -16,7 +16,19 @@ CASES = sorted((ROOT / "golden" / "cosmos3").iterdir())
 
 
 def test_cases_exist():
-    assert len(CASES) >= 4
+    probes = [json.loads((c / "case.json").read_text())["probe"] for c in CASES]
+    assert probes.count("cosmos3.transformer") >= 4 and probes.count("cosmos3.generate") >= 4
+
+
+def test_tampered_generate_trajectory_fails_at_that_step(fvparity, tmp_path):
+    case = copy_case(tmp_path, "gen_t2v_sound")
+    outs = load_file(str(case / "outputs.safetensors"))
+    outs["trajectory_sound"][1] *= 1 + 1e-4
+    save_file(outs, str(case / "outputs.safetensors"))
+    proc = fvparity("golden", str(case))
+    assert proc.returncode == 1
+    fails = [l for l in proc.stdout.splitlines() if " FAIL " in l and not l.startswith("golden upstream")]
+    assert len(fails) == 2 and all("sound_trajectory" in l and "first divergent step 1" in l for l in fails)
 
 
 def test_all_goldens_pass_both_sides(fvparity, tmp_path):
@@ -26,9 +38,14 @@ def test_all_goldens_pass_both_sides(fvparity, tmp_path):
     doc = json.loads(out.read_text())
     names = [c["name"] for c in doc["checks"]]
     for case in CASES:
+        probe = json.loads((case / "case.json").read_text())["probe"]
         for side in ("reference", "optimized"):
             assert f"{case.name}/{side}:vision" in names
-            assert f"{case.name}/{side}:position_ids" in names
+            if probe == "cosmos3.transformer":
+                assert f"{case.name}/{side}:position_ids" in names
+            else:
+                assert f"{case.name}/{side}:vision_trajectory" in names
+                assert f"{case.name}/{side}:model_timesteps" in names
     for c in doc["checks"]:
         if c["metrics"]:
             assert c["metrics"]["rel_l2"] <= 1e-5

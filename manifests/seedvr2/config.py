@@ -39,7 +39,7 @@ class NaDiTConfig:
     vid_out_channels: int = 16
     patch_size: tuple[int, int, int] = (1, 2, 2)
     num_windows: tuple[int, int, int] = (4, 3, 3)
-    window_methods: tuple[str, ...] = ()       # one per layer: "regular" | "shifted"
+    window_methods: tuple[str, ...] = ()       # one per layer ("regular" | "shifted"); () = alternating, regular first
     norm_eps: float = 1e-5
     pixel_rope_max_freq: float = 256.0         # dit pixel rope
 
@@ -71,9 +71,14 @@ class NaDiTConfig:
     def rope_num_freqs(self) -> int:
         return self.rope_axis_dim // 2
 
+    @property
+    def schedule(self) -> tuple[str, ...]:
+        """The window method of every layer (the released configs alternate regular / shifted)."""
+        return self.window_methods or tuple("regular" if i % 2 == 0 else "shifted" for i in range(self.num_layers))
+
     def branch(self, layer: int) -> tuple[str, str]:
-        """Weight-branch names (video, text) of a layer: ('vid','txt') or ('all','all')."""
-        return ("vid", "txt") if layer < self.mm_layers else ("all", "all")
+        """Weight-branch names (video, text) of a layer: ('vid','txt') or ('all','all'); the 7B never shares."""
+        return ("vid", "txt") if not self.is_3b or layer < self.mm_layers else ("all", "all")
 
     def text_passive(self, layer: int) -> bool:
         """3B last layer is vid_only: text gets attention without ada modulation/gate and no MLP."""
@@ -87,14 +92,14 @@ class NaDiTConfig:
                 raise ManifestError(f"seedvr2 NaDiT {f} must be > 0")
         if self.heads * self.head_dim != self.dim:
             raise ManifestError(f"seedvr2 NaDiT heads*head_dim ({self.heads}*{self.head_dim}) != dim {self.dim}")
-        if len(self.window_methods) != self.num_layers or any(m not in WINDOW_METHODS for m in self.window_methods):
+        if self.window_methods and (len(self.window_methods) != self.num_layers
+                                    or any(m not in WINDOW_METHODS for m in self.window_methods)):
             raise ManifestError(f"seedvr2 NaDiT window_methods must give one of {WINDOW_METHODS} per layer "
                                 f"({self.num_layers}), got {self.window_methods}")
         if not 0 <= self.mm_layers <= self.num_layers:
             raise ManifestError(f"seedvr2 NaDiT mm_layers {self.mm_layers} outside [0, {self.num_layers}]")
-        if not self.is_3b and self.mm_layers != self.num_layers:
-            raise ManifestError("seedvr2 7B (dit) has separate vid/txt weights in every layer: mm_layers must equal "
-                                "num_layers")
+        if not self.is_3b and self.mm_layers != 0:
+            raise ManifestError("seedvr2 7B (dit) has separate vid/txt weights in every layer: mm_layers must be 0")
         if self.is_3b and (self.rope_dim <= 0 or self.rope_dim > self.head_dim):
             raise ManifestError(f"seedvr2 3B rope_dim must be in (0, head_dim], got {self.rope_dim}")
         if self.rope_num_freqs <= 0:
@@ -155,21 +160,17 @@ class VAEConfig:
             raise ManifestError(f"seedvr2 VAE config: {e}") from None
 
 
-def _alternating(n: int) -> tuple[str, ...]:
-    return tuple("regular" if i % 2 == 0 else "shifted" for i in range(n))
-
-
 NADIT_VARIANTS: dict[str, NaDiTConfig] = {
     # the shrunk configs of the public goldens (nadit3b_tiny_*, nadit7b_tiny)
     "tiny-3b": NaDiTConfig("dit_v2", dim=64, heads=2, head_dim=32, num_layers=4, txt_in_dim=80,
-                           mlp_hidden=swiglu_hidden(64), mm_layers=2, rope_dim=32, window_methods=_alternating(4)),
+                           mlp_hidden=swiglu_hidden(64), mm_layers=2, rope_dim=32),
     "tiny-7b": NaDiTConfig("dit", dim=64, heads=2, head_dim=32, num_layers=4, txt_in_dim=80,
-                           mlp_hidden=4 * 64, mm_layers=4, window_methods=_alternating(4)),
+                           mlp_hidden=4 * 64, mm_layers=0),
     # released sizes (configs_3b/main.yaml, configs_7b/main.yaml)
     "3b": NaDiTConfig("dit_v2", dim=2560, heads=20, head_dim=128, num_layers=32, txt_in_dim=5120,
-                      mlp_hidden=swiglu_hidden(2560), mm_layers=10, rope_dim=128, window_methods=_alternating(32)),
+                      mlp_hidden=swiglu_hidden(2560), mm_layers=10, rope_dim=128),
     "7b": NaDiTConfig("dit", dim=3072, heads=24, head_dim=128, num_layers=36, txt_in_dim=5120,
-                      mlp_hidden=4 * 3072, mm_layers=36, window_methods=_alternating(36)),
+                      mlp_hidden=4 * 3072, mm_layers=0),
 }
 
 VAE_VARIANTS: dict[str, VAEConfig] = {
@@ -201,6 +202,8 @@ def nadit_from_upstream_config(raw: dict) -> NaDiTConfig:
     methods = raw.get("window_method") or []
     try:
         window_methods = tuple(UPSTREAM_WINDOW_METHODS[m] for m in methods)
+        if window_methods == tuple("regular" if i % 2 == 0 else "shifted" for i in range(n)):
+            window_methods = ()  # the released alternating schedule
     except KeyError as e:
         raise ManifestError(f"seedvr2: unknown upstream window method {e}") from None
     windows = {tuple(w) for w in raw.get("window", [(4, 3, 3)])}
@@ -214,7 +217,7 @@ def nadit_from_upstream_config(raw: dict) -> NaDiTConfig:
         arch="dit_v2" if is_3b else "dit", dim=dim, heads=int(raw["heads"]), head_dim=int(raw["head_dim"]),
         num_layers=n, txt_in_dim=int(raw["txt_in_dim"]),
         mlp_hidden=swiglu_hidden(dim, ratio) if is_3b else ratio * dim,
-        mm_layers=int(raw.get("mm_layers", n)) if is_3b else n, rope_dim=int(raw.get("rope_dim", 0)) if is_3b else 0,
+        mm_layers=int(raw.get("mm_layers", n)) if is_3b else 0, rope_dim=int(raw.get("rope_dim", 0)) if is_3b else 0,
         vid_in_channels=int(raw.get("vid_in_channels", 33)), vid_out_channels=int(raw.get("vid_out_channels", 16)),
         patch_size=tuple(raw.get("patch_size", (1, 2, 2))), num_windows=windows.pop(), window_methods=window_methods,
         norm_eps=float(raw.get("norm_eps", 1e-5))).validate()

@@ -128,3 +128,8 @@ def vae_key_shapes(cfg: VAEConfig) -> dict[str, tuple[int, ...]]:
     s["decoder.conv_out.weight"] = (cfg.in_channels, rev[-1], 3, 3, 3)
     s["decoder.conv_out.bias"] = (cfg.in_channels,)
     return s
+
+
+def nadit_fp32_keys(cfg: NaDiTConfig) -> list[str]:
+    """Kept float32 whatever the run dtype: rope frequencies and the time embedding (multiplied by t = 1000)."""
+    return [k for k in nadit_key_shapes(cfg) if k.endswith(CANONICAL_ROPE_SUFFIX) or k.startswith("emb_in.")]

@@ -214,3 +214,72 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress) -> Repor
                                                       detail=f"batch sizes per step {eng_run.extra['batch_sizes']}"))
                         report.checks += checks
     return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream golden probe `cosmos3.generate` (diffusers Cosmos3OmniPipeline, output_type="latent")
+# ------------------------------------------------------------------------------------------------
+
+def golden_request(case) -> Cosmos3GenerateRequest:
+    t, p = case.inputs, case.meta.get("params", {})
+    try:
+        a = p.get("action")
+        action = None if a is None else ActionSpec(a["mode"], int(a["chunk_size"]), int(a["domain_id"]),
+                                                   a.get("raw_action_dim"), t.get("raw_actions"))
+        return Cosmos3GenerateRequest(
+            text_ids=t["input_ids"], negative_text_ids=t["negative_input_ids"],
+            latent_frames=int(p["latent_frames"]), latent_height=int(p["latent_height"]),
+            latent_width=int(p["latent_width"]), num_steps=int(p["num_inference_steps"]),
+            guidance_scale=float(p["guidance_scale"]), fps=float(p["fps"]), seed=None,
+            scheduler=UniPCConfig(**p["scheduler"]),
+            vision_condition_frames=tuple(int(f) for f in p.get("vision_condition_frames", [])),
+            condition_latents=t.get("condition_latents"), sound_frames=int(p.get("sound_frames", 0)),
+            action=action, noise_vision=t["noise_vision"], noise_sound=t.get("noise_sound"),
+            noise_action=t.get("noise_action"))
+    except (KeyError, TypeError) as e:
+        raise SetupError(f"golden case {case.path}: incomplete cosmos3.generate inputs/params ({e})") from None
+
+
+def golden_generate_probe(case, sides) -> list[CheckResult]:
+    from manifests import ManifestError
+    from converters import ConversionError, convert_diffusers_dir_to_canonical_state_dict
+    from parity.families.cosmos3 import load_reference
+
+    try:
+        cfg, state = convert_diffusers_dir_to_canonical_state_dict(case.path / "upstream")
+        req = golden_request(case).validate(cfg)
+    except (ConversionError, ManifestError) as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+    tol, out = case.tolerance, case.outputs
+    results: list[CheckResult] = []
+    for side in sides:
+        name = f"{case.name}/{side}"
+        if side == "reference":
+            res = ref.generate(load_reference(cfg, state, "cpu", torch.float32), req, keep_trajectory=True)
+            final = {"vision": res.vision, "sound": res.sound, "action": res.action}
+            trajectory, timesteps = res.trajectory, res.timesteps
+        else:
+            engine = optimized.Engine.from_state_dict(cfg, state)
+            r = engine.generate(req, record_trajectory=True)
+            final, trajectory, timesteps = r["latents"], r["trajectory"], r["timesteps"]
+        want_ts = out.get("model_timesteps", out.get("timesteps"))
+        ok = want_ts is not None and list(timesteps) == want_ts.tolist()
+        results.append(CheckResult(f"{name}:model_timesteps", ok,
+                                   detail="" if ok else f"{timesteps} vs upstream {want_ts.tolist()}"))
+        for m in ("vision", "sound", "action"):
+            if f"latents_{m}" not in out:
+                continue
+            got = final.get(m)
+            if got is None:
+                results.append(CheckResult(f"{name}:{m}", False, detail=f"no {m} latents produced"))
+                continue
+            mt = compare(got, out[f"latents_{m}"])
+            results.append(CheckResult(f"{name}:{m}", within(mt, tol), mt, tol))
+            if f"trajectory_{m}" in out:  # every step, so a failure says where the loops part
+                steps = [compare(s[m], out[f"trajectory_{m}"][k]) for k, s in enumerate(trajectory)]
+                bad = [k for k, s in enumerate(steps) if not within(s, tol)]
+                worst = max(steps, key=lambda s: s.rel_l2)
+                results.append(CheckResult(f"{name}:{m}_trajectory", not bad and len(steps) ==
+                                           len(out[f"trajectory_{m}"]), worst, tol,
+                                           detail=f"first divergent step {bad[0]}" if bad else f"{len(steps)} steps"))
+    return results

@@ -172,7 +172,7 @@ class Block(nn.Module):
             qt, kt = apply_rope(qt, text_angles), apply_rope(kt, text_angles)
         vid_out = torch.empty_like(qv)
         txt_sum = torch.zeros_like(qt)
-        boxes = windows(grid, cfg.num_windows, cfg.window_methods[self.index])
+        boxes = windows(grid, cfg.num_windows, cfg.schedule[self.index])
         for box in boxes:
             sl = tuple(slice(a, b) for a, b in box)
             n = qv[sl].shape[:3]

@@ -314,7 +314,7 @@ class FastNaDiT:
             a += L
         emb = self.time_embedding(timestep)
         txt = self.linear(txt.to(self.dtype), "txt_in")
-        current = cfg.window_methods[0]
+        current = cfg.schedule[0]
         layout = self.local_layout(req, current, group, 0)
         patches = self.patchify_all(vid.to(self.dtype), grids_latent)
         x = self.linear(patches.index_select(0, layout.rows.to(patches.device)), "vid_in.proj")
@@ -323,7 +323,7 @@ class FastNaDiT:
             trace("txt_in", txt)
             trace("vid_in", self.gather_canonical(x, layout, group))
         for i in range(cfg.num_layers):
-            required = cfg.window_methods[i]
+            required = cfg.schedule[i]
             self.local_layout(req, required, group, i)
             x = self.ensure_layout(x, req, current, required, group, i)
             current, layout = required, req.layouts[required]
