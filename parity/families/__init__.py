@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from parity.errors import SetupError
-from parity.families import cosmos3
+from parity import vae_checks
+from parity.families import cosmos3, wan
 
-FAMILIES: dict[str, ModuleType] = {"cosmos3": cosmos3}
+FAMILIES: dict[str, ModuleType] = {"cosmos3": cosmos3, "wan": wan, "cosmos3-sound": vae_checks}
 
 
 def get_family(name: str) -> ModuleType:
