@@ -18,7 +18,9 @@ import torch
 from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes, load_variant
 from manifests import ManifestError
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest, video_request
+from manifests.cosmos3.reasoning import ReasonRequest
 from optimized.models.cosmos3.loops import DenoiseJob, FlowDenoiseLoop
+from optimized.models.cosmos3.reasoner import ARDecodeLoop, ReasonJob
 from optimized.models.cosmos3.model import Cosmos3Fast
 from optimized.runtime.events import Event, EventBus
 from optimized.runtime.scheduler import RequestRecord, RequestRejected, WorkUnitScheduler
@@ -57,11 +59,13 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, fast: Cosmos3Fast, cfg_policy: str = "batched", memory_budget_bytes: int = 8 << 30,
-                 tick_budget_seconds: float = float("inf"), max_batch: int = 16):
+                 tick_budget_seconds: float = float("inf"), max_batch: int = 16, kv_blocks: int = 512,
+                 kv_block_size: int = 16):
         self.model = fast
         self.bus = EventBus()
         self.scheduler = WorkUnitScheduler(memory_budget_bytes, tick_budget_seconds, max_batch, self.bus)
         self.denoise = FlowDenoiseLoop(fast, cfg_policy)
+        self.reasoning = ARDecodeLoop(fast, kv_blocks, kv_block_size)  # same resident instance, same scheduler
         fast.und_cache.subscribe(lambda ev: self.bus.emit(Event(
             "trace.cache", None, self.scheduler.tick_count,
             {"store": ev.store, "op": ev.op, "key": ev.key.short(), "nbytes": ev.nbytes})))
@@ -114,6 +118,20 @@ class Engine:
 
     def generate(self, request: Cosmos3GenerateRequest, record_trajectory: bool = False) -> dict:
         return self.submit(request, record_trajectory).result()
+
+    def submit_reasoning(self, request: ReasonRequest, record_logits: bool = False, export_und_kv: bool = False,
+                         request_id: str | None = None) -> RequestHandle:
+        """Queue AR text decoding through the und pathway + lm_head; raises RequestRejected on bad input."""
+        return RequestHandle(self, self.scheduler.submit(self.reasoning, ReasonJob(request, record_logits,
+                                                                                   export_und_kv), request_id))
+
+    def reason(self, request: ReasonRequest, record_logits: bool = False) -> dict:
+        return self.submit_reasoning(request, record_logits).result()
+
+    def reason_then_generate(self, reasoning: ReasonRequest, generation: Cosmos3GenerateRequest):
+        """One program on this instance: reasoning, then denoising with the reasoned text as the prompt."""
+        from optimized.programs import reason_then_generate
+        return reason_then_generate(self, reasoning, generation)
 
     def subscribe(self, fn: Callable[[Event], Any], prefix: str = "") -> Callable[[], None]:
         return self.bus.subscribe(fn, prefix)

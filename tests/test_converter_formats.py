@@ -257,6 +257,18 @@ def test_all_formats_convert_to_identical_canonical_weights(tmp_path, variant):
     assert und_r.keys() == und_d.keys() and all(torch.equal(und_r[k], und_d[k]) for k in und_d)
 
 
+@pytest.mark.parametrize("fmt", ["diffusers-raw", "framework"])
+def test_c0_post_check_passes_for_generator_formats(tmp_path, fmt):
+    """The real post-check (parity's C0, fp32 CPU) on each generator format's converted weights."""
+    from parity.families.cosmos3 import check_converted
+
+    cfg = load_variant("tiny-edge")
+    src = write_source(tmp_path / "s", fmt, canonical_state("tiny-edge", seed=4), cfg, DIFFUSERS_CONFIGS["tiny-edge"])
+    rep = convert("cosmos3", fmt, src, tmp_path / "o", variant="tiny-edge", post_check=check_converted)
+    assert rep.parity["status"] == "pass" and rep.parity["level"] == "C0" and rep.parity["checks"] > 10
+    assert rep.parity["required_level"] == "C0" and "scope" not in rep.parity
+
+
 def test_framework_layout_variants(tmp_path):
     """model.net. prefix or not, wrapper components, .pt or safetensors, vision encoder dropped or kept, config
     from --variant or --config."""

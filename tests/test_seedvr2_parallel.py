@@ -77,6 +77,7 @@ def test_rank_failure_is_an_error_not_a_hang():
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # ~20-30 s each on 2 loaded cores (process spawn); the fast variant is test_transitions_simulated
 @pytest.mark.parametrize("ws, variant, grids, text_lens", [
     (2, "tiny-3b", ((5, 24, 80),), (7,)),
     (3, "tiny-7b", ((5, 6, 8), (7, 16, 24)), (4, 5)),

@@ -154,7 +154,8 @@ def test_transformers_reasoner_release_keyset(transformers_release_sets, variant
     fields = cosmos3_from_transformers_config(conf)
     assert {k: (list(x) if isinstance(x, tuple) else x) for k, x in fields.items()} == \
         {k: x for k, x in cfg.to_dict().items() if k in fields}
-    want = {k: s for k, s in canonical_key_shapes(cfg).items() if k in set(und_keys(cfg))}
+    und = set(und_keys(cfg))
+    want = {k: s for k, s in canonical_key_shapes(cfg).items() if k in und}
     for layout, keys in (("module", module), ("saved", saved)):
         plan = _plan("transformers", variant, keys)
         assert {e.target: e.shape for e in plan.entries} == want, layout

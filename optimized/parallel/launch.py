@@ -78,6 +78,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
             if status == "error":
                 raise CollectiveError(f"rank {rank} of {world_size} failed: {value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    except BaseException:
+        for p in procs:  # a failed run: stop the peers now, they may be blocked in a collective
+            if p.is_alive():
+                p.terminate()
+        raise
     finally:
         for p in procs:
             p.join(timeout=5)

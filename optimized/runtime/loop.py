@@ -69,6 +69,14 @@ class LoopKernel(ABC, Generic[State]):
         """Resources held for the request's whole life (e.g. its caches); reserved before admission."""
         return ResourceRequest()
 
+    def fits_ever(self, state: State) -> bool:
+        """False when the kernel's own pools could never hold the request (refused at submission)."""
+        return True
+
+    def reserve(self, state: State) -> bool:
+        """Take the kernel's own resources (e.g. KV blocks) at admission; False = not now, keep waiting."""
+        return True
+
     def release(self, state: State) -> None:
         """Free what the request holds (cache entries, reservations) on completion or cancellation."""
 

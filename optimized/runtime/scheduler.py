@@ -80,6 +80,7 @@ class WorkUnitScheduler:
         self.reserved_bytes = 0
         self.tick_count = 0
         self._ids = itertools.count()
+        self._deferred: set = set()
 
     # ------------------------------------------------------------------ events
     def _emit(self, kind: str, rec: RequestRecord | None, **data) -> None:
@@ -99,10 +100,10 @@ class WorkUnitScheduler:
             self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": str(e)}))
             raise RequestRejected(str(e)) from None
         need = kernel.admission(state)
-        if need.device_bytes > self.memory_budget_bytes:
+        if need.device_bytes > self.memory_budget_bytes or not kernel.fits_ever(state):
             kernel.release(state)
             reason = (f"request needs {need.device_bytes} bytes, more than the whole budget "
-                      f"({self.memory_budget_bytes}); it can never fit")
+                      f"({self.memory_budget_bytes}) or the loop's own pool; it can never fit")
             self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": reason}))
             raise RequestRejected(reason)
         rec = RequestRecord(rid, kernel, state, need, arrival=len(self.records))
@@ -145,15 +146,19 @@ class WorkUnitScheduler:
         groups: dict[tuple[int, Any], list[str]] = defaultdict(list)
         for rid in self.running:  # running order = admission order: oldest first
             groups[(id(self.records[rid].kernel), plans[rid].batch_key)].append(rid)
-        spent, ran = 0.0, []
-        for (_, batch_key), rids in groups.items():
+        spent, ran, deferred = 0.0, [], set()
+        # groups deferred last tick go first (aging), so no loop kind starves behind another
+        order = sorted(groups.items(), key=lambda item: item[0] not in self._deferred)
+        for group_key, rids in order:
             for chunk in (rids[i:i + self.max_batch] for i in range(0, len(rids), self.max_batch)):
                 predicted = sum(self.cost.predict(plans[r]) for r in chunk)
                 if ran and spent + predicted > self.tick_budget_seconds:
-                    continue  # defer to the next tick; the first group always runs
-                self._run_group(chunk, [plans[r] for r in chunk], batch_key)
+                    deferred.add(group_key)  # the first group always runs
+                    continue
+                self._run_group(chunk, [plans[r] for r in chunk], group_key[1])
                 spent += predicted
-                ran.append(batch_key)
+                ran.append(group_key)
+        self._deferred = deferred
         self._emit("trace.scheduler", None, running=list(self.running), waiting=list(self.waiting),
                    groups=len(ran), predicted_seconds=spent, reserved_bytes=self.reserved_bytes)
         self._finish_done()
@@ -179,7 +184,8 @@ class WorkUnitScheduler:
             if rec.preempted_at == self.tick_count:
                 continue  # room made by a preemption goes to others this tick
 
-            if self.reserved_bytes + rec.reservation.device_bytes > self.memory_budget_bytes:
+            if self.reserved_bytes + rec.reservation.device_bytes > self.memory_budget_bytes \
+                    or not rec.kernel.reserve(rec.state):
                 break  # FIFO: later arrivals do not overtake a waiting earlier one
             self.waiting.remove(rid)
             self.running.append(rid)

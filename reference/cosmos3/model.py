@@ -156,22 +156,23 @@ class DecoderLayer(nn.Module):
         self.und = Pathway(cfg, is_und=True)
         self.gen = Pathway(cfg, is_und=False)
 
-    def forward(self, und: torch.Tensor, gen: torch.Tensor, rope_und, rope_gen) -> tuple[torch.Tensor, torch.Tensor]:
+    def und_forward(self, und: torch.Tensor, rope_und) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The text stream alone (causal; it never sees gen tokens). Returns (und out, text keys as gen
+        queries see them, text values)."""
         q_u, k_u, v_u = self.und.qkv(und)
-        q_g, k_g, v_g = self.gen.qkv(gen)
         k_u_for_gen = self.und.k_norm_for_gen(k_u) if hasattr(self.und, "k_norm_for_gen") else k_u
         q_u, k_u, k_u_for_gen = (apply_rope(t, *rope_und) for t in (q_u, k_u, k_u_for_gen))
+        und = und + self.und.o_proj(attention(q_u, k_u, v_u, causal=True))
+        return und + self.und.mlp(self.und.mlp_norm(und)), k_u_for_gen, v_u
+
+    def forward(self, und: torch.Tensor, gen: torch.Tensor, rope_und, rope_gen) -> tuple[torch.Tensor, torch.Tensor]:
+        und_out, k_u_for_gen, v_u = self.und_forward(und, rope_und)
+        q_g, k_g, v_g = self.gen.qkv(gen)
         q_g, k_g = (apply_rope(t, *rope_gen) for t in (q_g, k_g))
-
-        # und: causal over text only. gen: all text keys + all gen keys, no mask.
-        o_u = attention(q_u, k_u, v_u, causal=True)
+        # gen: all text keys + all gen keys, no mask
         o_g = attention(q_g, torch.cat([k_u_for_gen, k_g]), torch.cat([v_u, v_g]), causal=False)
-
-        und = und + self.und.o_proj(o_u)
         gen = gen + self.gen.o_proj(o_g)
-        und = und + self.und.mlp(self.und.mlp_norm(und))
-        gen = gen + self.gen.mlp(self.gen.mlp_norm(gen))
-        return und, gen
+        return und_out, gen + self.gen.mlp(self.gen.mlp_norm(gen))
 
 
 # ----------------------------------------------------------------------------------------------

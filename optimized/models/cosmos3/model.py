@@ -155,7 +155,7 @@ class Cosmos3Fast:
 
     def _und_layer(self, x: torch.Tensor, w: PathWeights, bounds: list[int], cos: torch.Tensor, sin: torch.Tensor):
         """One und layer over a flat text stream (prompts at `bounds`, causal within each).
-        Returns (new hidden, keys-for-gen after RoPE, values)."""
+        Returns (new hidden, keys after RoPE, keys-for-gen after RoPE, values)."""
         q, k, v = self._qkv(x, w)
         if w.q_norm is not None:
             q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
@@ -164,26 +164,33 @@ class Cosmos3Fast:
         k4g = k if k4g is None else ops.apply_rope(k4g, cos, sin)
         o = torch.cat([self._attend(q[a:b], k[a:b], v[a:b], causal=True) for a, b in zip(bounds[:-1], bounds[1:])])
         x = x + F.linear(o, w.o_w, w.o_b)
-        return x + self._mlp(x, w), k4g, v
+        return x + self._mlp(x, w), k, k4g, v
 
-    def _und_stack(self, texts: list[torch.Tensor], axis: torch.Tensor, want_trace: bool):
-        """Run the und pathway over several prompts at once. Returns per-prompt UndKV and, when tracing,
-        per-prompt lists of per-layer und hidden states."""
+    def und_pass(self, texts: list[torch.Tensor], axis: torch.Tensor, want_trace: bool = False):
+        """The und pathway over several prompts at once (causal within each). Returns the final hidden
+        states [sum L, D], the prompt bounds, per-layer stacked keys / keys-for-gen / values [layers, sum L,
+        K, d] and, when tracing, the per-layer hidden states."""
         lens = [t.numel() for t in texts]
         bounds = torch.tensor([0] + lens).cumsum(0).tolist()
         x = F.embedding(torch.cat(texts).to(self.device), self.params["embed_tokens.weight"])
         pos = torch.cat([packing.text_position_ids(n, self.cfg.enable_fps_modulation) for n in lens], dim=1)
         cos, sin = self._rope_tables(pos, axis)
-        ks, vs, hidden = [], [], []
+        ks, k4gs, vs, hidden = [], [], [], []
         for layer in self.layers:
-            x, k4g, v = self._und_layer(x, layer["und"], bounds, cos, sin)
-            ks.append(k4g)
+            x, k, k4g, v = self._und_layer(x, layer["und"], bounds, cos, sin)
+            ks.append(k)
+            k4gs.append(k4g)
             vs.append(v)
             if want_trace:
                 hidden.append(x)
         self.stats.und_layers_run += len(self.layers)
         self.stats.und_prompts_computed += len(texts)
-        K, V = torch.stack(ks), torch.stack(vs)
+        return x, bounds, torch.stack(ks), torch.stack(k4gs), torch.stack(vs), hidden
+
+    def _und_stack(self, texts: list[torch.Tensor], axis: torch.Tensor, want_trace: bool):
+        """Per-prompt UndKV (text K/V as gen queries see them) and, when tracing, per-prompt lists of
+        per-layer und hidden states."""
+        _, bounds, _, K, V, hidden = self.und_pass(texts, axis, want_trace)
         kvs = [UndKV(K[:, a:b].contiguous(), V[:, a:b].contiguous()) for a, b in zip(bounds[:-1], bounds[1:])]
         traces = [[h[a:b] for h in hidden] for a, b in zip(bounds[:-1], bounds[1:])] if want_trace else None
         return kvs, traces
@@ -373,7 +380,7 @@ class Cosmos3Fast:
         layer = self.layers[index]
         u = und_hidden.to(self.device, self.dtype)
         g = gen_hidden.to(self.device, self.dtype)
-        u, k4g, v = self._und_layer(u, layer["und"], [0, n], cos[:n], sin[:n])
+        u, _, k4g, v = self._und_layer(u, layer["und"], [0, n], cos[:n], sin[:n])
         g = self._gen_layer(g, layer["gen"], [(k4g, v)], [0, g.shape[0]], cos[n:], sin[n:])
         return u, g
 

@@ -137,3 +137,17 @@ def decode_cosmos3_outputs(vae, sound: FastSoundDecoder | None, vision_latents: 
             on_chunk(event)
     audio = None if sound_latents is None or sound is None else sound.decode(sound_latents)
     return video, audio
+
+
+def encode_cosmos3_condition(vae, video: torch.Tensor, chunk_frames: int = 1, ledger=None) -> torch.Tensor:
+    """The conditioning seam (image-to-video / video-to-video): a clip [B, 3, 4k+1, H, W] in [-1, 1] -> the
+    diffusion model's latents [B, z, 1+k, H/16, W/16]: the posterior mean of the chunked `wan.vae_encode` loop
+    (`vae` is an optimized.models.wan.FastWanVAE), normalised per channel as (mu - latents_mean) / latents_std
+    (upstream `Cosmos3OmniPipeline._encode_video`: argmax of the posterior, no sampling)."""
+    from optimized.models.wan import EncodeRequest, WanVaeEncodeKernel, run
+
+    cfg = vae.cfg
+    mu = run(WanVaeEncodeKernel(vae), EncodeRequest("cosmos3-condition", video, chunk_frames), ledger).mean
+    mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1).to(mu)
+    std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1).to(mu)
+    return (mu - mean) / std
