@@ -104,6 +104,9 @@ def _stale_und_cache(engine) -> Iterator[None]:
     """The und-stream cache key forgets the prompt content: a changed prompt of the same length reuses the
     previous prompt's K/V."""
     from dataclasses import replace
+    if engine is None:  # planted per engine; the AR checks build engines of their own
+        yield
+        return
     fast = engine.model
     original = fast.und_cache_key
     fast.und_cache_key = lambda text_ids, *a, **kw: replace(original(text_ids, *a, **kw), input_hashes=())
@@ -132,7 +135,14 @@ def _shared_solver_state(engine):
     return _patched(loops, "advance", sharing)
 
 
+def _rope_off_by_one_decode(engine):
+    """The AR decode path rotates each new token as if it sat one position later."""
+    from optimized.models.cosmos3 import reasoner
+    return _patched(reasoner, "text_positions", lambda original: lambda cfg, start, n: original(cfg, start + 1, n))
+
+
 COSMOS3_C1_FAULTS = {
+    "rope-off-by-one-decode": _rope_off_by_one_decode,
     "wrong-flow-shift": _wrong_flow_shift,
     "swapped-cfg": _swapped_cfg,
     "stale-und-cache": _stale_und_cache,

@@ -16,7 +16,7 @@ from converters.readers import TensorInfo
 from manifests.seedvr2 import load_variant
 from optimized.models.seedvr2 import load_fast_nadit
 from reference.seedvr2 import load_nadit
-from tests.seedvr2_goldens import golden_file, load_case, rel_l2
+from tests.test_seedvr2_goldens import golden_file, load_case, rel_l2
 
 FAMILY, FORMAT = "seedvr2", "official_pth"
 

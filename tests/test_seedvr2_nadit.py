@@ -9,7 +9,7 @@ from manifests.seedvr2 import load_variant, nadit_from_upstream_config
 from manifests.seedvr2.keys import CANONICAL_ROPE_SUFFIX, UPSTREAM_ROPE_SUFFIX
 from optimized.models.seedvr2 import load_fast_nadit
 from reference.seedvr2 import load_nadit, windows
-from tests.seedvr2_goldens import load_case, rel_l2, upstream_weights
+from tests.test_seedvr2_goldens import load_case, rel_l2, upstream_weights
 
 CASES = [("nadit3b_tiny_a", "tiny-3b"), ("nadit3b_tiny_b", "tiny-3b"), ("nadit7b_tiny", "tiny-7b")]
 TOL = 1e-5

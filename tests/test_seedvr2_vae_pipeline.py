@@ -12,7 +12,7 @@ from optimized.models.seedvr2.vae import load_fast_vae
 from reference.seedvr2 import load_nadit
 from reference.seedvr2.sampler import restore, uniform_trailing_timesteps, v_lerp_to_x0
 from reference.seedvr2.vae import load_vae
-from tests.seedvr2_goldens import load_case, rel_l2, upstream_weights
+from tests.test_seedvr2_goldens import load_case, rel_l2, upstream_weights
 from tests.test_seedvr2_nadit import canonical
 
 TOL = 1e-5

@@ -213,6 +213,10 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress) -> Repor
                             checks.append(CheckResult(f"{prefix}/batched_with_others", batched,
                                                       detail=f"batch sizes per step {eng_run.extra['batch_sizes']}"))
                         report.checks += checks
+            from parity.families.cosmos3_ar import ar_checks
+            with fault_lib.planted_c1(fault, None):
+                report.checks += ar_checks(f"{vname}/{dname}", cfg, state, reference, dtype, device, c0_tol, tol,
+                                           progress)
     return report
 
 

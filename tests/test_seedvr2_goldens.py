@@ -1,4 +1,4 @@
-"""Where the public seedvr2 goldens live for tests: golden/seedvr2/<case> in the repo if copied there, else
+"""Where the public seedvr2 goldens live for tests (helpers shared by tests/test_seedvr2_*.py) and their integrity: golden/seedvr2/<case> in the repo if copied there, else
 ../shared/goldens/seedvr2/<case> beside the repo (CI has a read-only copy); tests skip with a reason otherwise."""
 
 from __future__ import annotations
@@ -41,3 +41,12 @@ def upstream_weights(d: Path, name: str = "upstream_weights.pth") -> dict[str, t
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("case", ["nadit3b_tiny_a", "nadit3b_tiny_b", "nadit7b_tiny", "vae_tiny", "pipeline_3b_tiny"])
+def test_golden_files_match_their_recorded_sha256(case):
+    import hashlib
+    d, meta, _, _ = load_case(case)
+    for name, digest in meta["file_sha256"].items():
+        if (d / name).is_file():
+            assert hashlib.sha256((d / name).read_bytes()).hexdigest() == digest, name

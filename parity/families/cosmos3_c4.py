@@ -1,0 +1,680 @@
+"""cosmos3 C4: decoded artifacts end to end, reference vs engine, and the upstream golden probe `cosmos3.pipeline`.
+
+Each side runs its own whole chain: generate latents (reference `generate` / `optimized.Engine.generate`), decode
+them (reference Wan VAE + sound tokenizer through `reference.cosmos3.sound.decode_cosmos3_outputs`; the optimized
+chunked `wan.vae_decode` loop + folded-weight-norm sound decoder through `optimized.models.cosmos3.sound.
+decode_cosmos3_outputs`), and, for image-to-video, encode the conditioning clip with its own VAE (reference
+`WanVAE.encode` + `normalize_latents`; optimized `encode_cosmos3_condition`, the chunked `wan.vae_encode` loop).
+The decoded frames are compared with SSIM and PSNR (scikit-image, frames in [0, 1], `data_range` 1.0) and the
+waveforms by SNR (dB); then both sides' frames and audio are written with the atomic artifact writers (PNG, WAV),
+read back and compared again (uint8 / int16), and each read-back is checked against the tensor it came from.
+
+Components (seeded random weights, CPU seconds): the variant's transformer with the Wan2.2 latent geometry imposed
+(`c4_transformer_config`: latent_channels 48, patch 2, patch_latent_dim 192), a tiny Wan2.2-geometry VAE
+(`c4_vae_config`: manifests/wan tiny-2.2 with z_dim = latent_channels and non-trivial latents_mean / std) and a tiny
+decoder-only sound tokenizer whose latent rate equals the transformer's `sound_latent_fps` (`c4_sound_config`).
+
+Cases: text-to-video; image-to-video (a deterministic synthetic picture repeated over the clip, as the pipeline
+pads it, VAE-encoded on each side; latent frame 0 conditioned); video with sound. The engine must also keep the
+conditioning latent frame where the encoded image put it (upstream does not re-pin it; velocity there is 0).
+
+Planted faults (`C4_FAULTS`, optimized side only): `inverted-latents-std` (de-normalise with z / std + mean, the
+pipeline's inv_std confused) and `swapped-stereo` (left/right channels of the decoded waveform exchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+import warnings
+import wave
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from manifests import ManifestError
+from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes, load_variant
+from manifests.cosmos3.sampling import Cosmos3GenerateRequest, UniPCConfig, latent_frames_for
+from manifests.cosmos3.sound import Cosmos3SoundConfig
+from manifests.cosmos3.sound import load_variant as load_sound_variant
+from manifests.parity import Tolerance, load_parity_contract
+from manifests.wan import WanVAEConfig
+from manifests.wan import load_variant as load_wan_variant
+from parity.errors import SetupError
+from parity.metrics import compare, within
+from parity.report import CheckResult, Report
+from parity.weights import random_state_dict
+
+DEFAULT_VARIANTS = ("tiny",)
+STEPS = 4
+NUM_FRAMES, HEIGHT, WIDTH = 9, 48, 64          # -> latent [1, 48, 3, 3, 4]
+FPS = 24.0
+LATENT_CHANNELS, LATENT_PATCH = 48, 2          # the Wan2.2 geometry the pipeline's VAE imposes
+COND_FRAME_MAX_ABS = 1e-5                      # engine: |final latent frame 0 - encoded image latent| (upstream drifts
+                                               # <= 4.8e-7: it never re-pins clean frames; velocity there is 0)
+# Used only while the contract's C4 row lacks the field (settings["thresholds"] says which source was used).
+DEFAULT_BOUNDS = {"min_ssim": 0.999, "min_psnr": 60.0, "min_snr_db": 60.0}
+
+
+@dataclass(frozen=True)
+class AudioBound:
+    """Bound on the waveform SNR in dB (the table prints it as `min_snr_db>=...`)."""
+    min_snr_db: float
+
+
+# ------------------------------------------------------------------------------------------------
+# Components: configs with one latent geometry, seeded weights
+# ------------------------------------------------------------------------------------------------
+
+def c4_transformer_config(cfg: Cosmos3Config) -> Cosmos3Config:
+    """The variant with the Wan2.2 latent geometry: latent_channels 48, patch 2 (patch_latent_dim 192)."""
+    try:
+        return replace(cfg, latent_channels=LATENT_CHANNELS, patch_size=LATENT_PATCH,
+                       patch_latent_dim=LATENT_PATCH ** 2 * LATENT_CHANNELS).validate()
+    except ManifestError as e:
+        raise SetupError(f"cosmos3 C4: {e}") from None
+
+
+def c4_vae_config(z_dim: int) -> WanVAEConfig:
+    """manifests/wan tiny-2.2 (patch 2, residual paths, 16x / 4x) with `z_dim` latent channels and per-channel
+    latents_mean in [-0.3, 0.3], latents_std in [0.5, 1.5] (so a de-normalisation mistake shows)."""
+    mean = tuple(round(0.3 * math.sin(1.7 * i + 0.3), 4) for i in range(z_dim))
+    std = tuple(round(1.0 + 0.5 * math.cos(2.3 * i), 4) for i in range(z_dim))
+    try:
+        return replace(load_wan_variant("tiny-2.2"), z_dim=z_dim, latents_mean=mean, latents_std=std).validate()
+    except ManifestError as e:
+        raise SetupError(f"cosmos3 C4: {e}") from None
+
+
+def c4_sound_config(cfg: Cosmos3Config) -> Cosmos3SoundConfig | None:
+    """A tiny decoder-only AVAE (manifests/cosmos3/sound tiny, strides (2, 3): hop 6) with latent_dim = the
+    transformer's sound_dim and sampling rate hop * sound_latent_fps (150 Hz at 25 latent Hz)."""
+    if not cfg.has_sound:
+        return None
+    hop = 6
+    rate = cfg.sound_latent_fps * hop
+    if rate != int(rate):
+        raise SetupError(f"cosmos3 C4: sound_latent_fps {cfg.sound_latent_fps} * hop {hop} is not an integer rate")
+    try:
+        return replace(load_sound_variant("tiny"), latent_dim=cfg.sound_dim, sampling_rate=int(rate),
+                       dec_c_mults=(1, 2), dec_strides=(2, 3), has_encoder=False).validate()
+    except ManifestError as e:
+        raise SetupError(f"cosmos3 C4: {e}") from None
+
+
+def check_geometry(cfg: Cosmos3Config, vcfg: WanVAEConfig, scfg: Cosmos3SoundConfig | None) -> None:
+    """The three components must agree on the latent spaces they pass between them."""
+    problems = []
+    if vcfg.z_dim != cfg.latent_channels:
+        problems.append(f"VAE z_dim {vcfg.z_dim} != transformer latent_channels {cfg.latent_channels}")
+    if vcfg.temporal_compression != cfg.vae_temporal_compression:
+        problems.append(f"VAE temporal compression {vcfg.temporal_compression} != transformer "
+                        f"vae_temporal_compression {cfg.vae_temporal_compression}")
+    if scfg is not None:
+        if scfg.latent_dim != cfg.sound_dim:
+            problems.append(f"sound latent_dim {scfg.latent_dim} != transformer sound_dim {cfg.sound_dim}")
+        if scfg.latent_fps != cfg.sound_latent_fps:
+            problems.append(f"sound latent rate {scfg.latent_fps} Hz != transformer sound_latent_fps "
+                            f"{cfg.sound_latent_fps}")
+    if problems:
+        raise SetupError("cosmos3 C4: components disagree: " + "; ".join(problems))
+
+
+def vae_random_state(vcfg: WanVAEConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded Wan VAE weights that decode to structured frames mostly inside the [-1, 1] clamp (the golden
+    makers' recipe): RMS-norm gamma 1 + 0.1r, biases 0.1r, weights r / sqrt(fan_in), decoder.conv_out halved."""
+    from manifests.wan import canonical_key_shapes as wan_keys
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, shape in sorted(wan_keys(vcfg).items()):
+        r = torch.randn(shape, generator=g)
+        if k.endswith("gamma"):
+            out[k] = 1 + 0.1 * r
+        elif len(shape) == 1:
+            out[k] = 0.1 * r
+        else:
+            out[k] = r / math.sqrt(math.prod(shape[1:])) * (0.5 if k == "decoder.conv_out.weight" else 1.0)
+    return out
+
+
+def synthetic_image(height: int, width: int) -> torch.Tensor:
+    """A deterministic picture [3, H, W] in [-1, 1] on the uint8 grid (x / 127.5 - 1, what the pipeline's image
+    preprocessing yields): a red horizontal and green vertical gradient, a blue disc, a bright rectangle and a
+    dark diagonal stripe."""
+    y = torch.linspace(0, 1, height).view(-1, 1).expand(height, width)
+    x = torch.linspace(0, 1, width).view(1, -1).expand(height, width)
+    r, g = x.clone(), y.clone()
+    b = 0.15 + 0.7 * (((x - 0.62) ** 2 + (y - 0.4) ** 2) < 0.06).float()
+    rect = (x > 0.1) & (x < 0.35) & (y > 0.55) & (y < 0.9)
+    r[rect], g[rect], b[rect] = 0.95, 0.9, 0.85
+    stripe = ((x - y).abs() < 0.06)
+    r[stripe], g[stripe], b[stripe] = 0.05, 0.1, 0.2
+    rgb = torch.stack([r, g, b]).clamp(0, 1)
+    return (rgb * 255).round() / 127.5 - 1.0
+
+
+def conditioning_clip(image: torch.Tensor, num_frames: int) -> torch.Tensor:
+    """[3, H, W] -> [1, 3, num_frames, H, W]: the image on every frame (the pipeline's i2v repeat-padding)."""
+    return image[None, :, None].expand(1, 3, num_frames, *image.shape[1:]).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# The two sides, each behind one adapter (the only place the harness knows their APIs)
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class SideOutput:
+    video: torch.Tensor                     # [1, 3, T, H, W] in [-1, 1]
+    audio: torch.Tensor | None              # [channels, N] in [-1, 1]
+    latents: dict[str, torch.Tensor]        # final latents per modality
+    condition: torch.Tensor | None = None   # i2v: this side's encoded (normalised) conditioning latents
+
+
+@dataclass
+class Components:
+    cfg: Cosmos3Config
+    vcfg: WanVAEConfig
+    scfg: Cosmos3SoundConfig | None
+    state: dict[str, torch.Tensor]
+    vae_state: dict[str, torch.Tensor]
+    sound_state: dict[str, torch.Tensor] | None
+
+
+class ReferenceSide:
+    def __init__(self, c: Components, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        import reference.cosmos3 as ref
+        import reference.cosmos3.sound as ref_sound
+        import reference.wan as ref_wan
+        self.ref, self.ref_sound, self.ref_wan = ref, ref_sound, ref_wan
+        self.model = ref.load_transformer(c.cfg, c.state, device=device, dtype=dtype)
+        self.vae = ref_wan.load_vae(c.vcfg, c.vae_state, device)
+        self.sound = None if c.scfg is None else ref_sound.load_sound_tokenizer(c.scfg, c.sound_state, device)
+
+    def encode_condition(self, clip: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.ref_wan.normalize_latents(self.vae.cfg, self.vae.encode(clip).mean)
+
+    def generate(self, req: Cosmos3GenerateRequest) -> SideOutput:
+        res = self.ref.generate(self.model, req)
+        video, audio = self.ref_sound.decode_cosmos3_outputs(self.vae, self.sound, res.vision, res.sound)
+        latents = {"vision": res.vision, **({"sound": res.sound} if res.sound is not None else {})}
+        return SideOutput(video, audio, latents)
+
+
+class EngineSide:
+    def __init__(self, c: Components, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        import optimized
+        import optimized.models.cosmos3.sound as opt_sound
+        import optimized.models.wan as opt_wan
+        self.opt_sound = opt_sound
+        self.engine = optimized.Engine.from_state_dict(c.cfg, c.state, device, dtype)
+        self.vae = opt_wan.load_fast_vae(c.vcfg, c.vae_state, device)
+        self.sound = None if c.scfg is None else opt_sound.load_fast_sound_decoder(c.scfg, c.sound_state, device)
+
+    def encode_condition(self, clip: torch.Tensor) -> torch.Tensor:
+        return self.opt_sound.encode_cosmos3_condition(self.vae, clip)
+
+    def generate(self, req: Cosmos3GenerateRequest) -> SideOutput:
+        lat = self.engine.generate(req)["latents"]
+        video, audio = self.opt_sound.decode_cosmos3_outputs(self.vae, self.sound, lat["vision"], lat.get("sound"))
+        return SideOutput(video, audio, dict(lat))
+
+
+# ------------------------------------------------------------------------------------------------
+# Planted faults (optimized side only)
+# ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _inverted_latents_std(side: EngineSide) -> Iterator[None]:
+    """The optimized decode seam de-normalises with z / std + mean (the pipeline's inv_std taken for std); the
+    encode seam (i2v conditioning) is left correct."""
+    module = side.opt_sound
+    original = module.decode_cosmos3_outputs
+
+    def decode(vae, *args, **kw):
+        cfg = vae.cfg
+        vae.cfg = replace(cfg, latents_std=tuple(1.0 / s for s in cfg.latents_std))  # not validated: planted bug
+        try:
+            return original(vae, *args, **kw)
+        finally:
+            vae.cfg = cfg
+    module.decode_cosmos3_outputs = decode
+    try:
+        yield
+    finally:
+        module.decode_cosmos3_outputs = original
+
+
+@contextlib.contextmanager
+def _swapped_stereo(side: EngineSide) -> Iterator[None]:
+    """The optimized sound decoder returns its waveform with the left and right channels exchanged."""
+    sound = side.sound
+    if sound is None:
+        raise SetupError("fault swapped-stereo needs a variant with sound")
+    original = sound.decode
+    sound.decode = lambda latents: original(latents).flip(-2)
+    try:
+        yield
+    finally:
+        del sound.decode
+
+
+# name -> (context factory on the EngineSide, the checks that must FAIL)
+C4_FAULTS = {
+    "inverted-latents-std": (_inverted_latents_std, ("frames",)),
+    "swapped-stereo": (_swapped_stereo, ("audio",)),
+}
+
+
+@contextlib.contextmanager
+def planted(fault: str | None, side: EngineSide) -> Iterator[None]:
+    if fault is None:
+        yield
+        return
+    with C4_FAULTS[fault][0](side):
+        yield
+
+
+# ------------------------------------------------------------------------------------------------
+# Artifact metrics
+# ------------------------------------------------------------------------------------------------
+
+def frames01(video: torch.Tensor) -> np.ndarray:
+    """[1, 3, T, H, W] in [-1, 1] -> float64 [T, H, W, 3] in [0, 1] (the diffusers video processor's mapping)."""
+    v = video[0] if video.ndim == 5 else video
+    return ((v.detach().double().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).numpy()
+
+
+def _psnr(want: np.ndarray, got: np.ndarray, data_range: float) -> float:
+    from skimage.metrics import peak_signal_noise_ratio
+    with warnings.catch_warnings(), np.errstate(divide="ignore"):
+        warnings.simplefilter("ignore")
+        return float(peak_signal_noise_ratio(want, got, data_range=data_range))  # inf when identical
+
+
+def video_similarity(want: np.ndarray, got: np.ndarray, data_range: float) -> dict:
+    """Per-frame SSIM (RGB, 7x7 uniform window, `data_range` explicit) and PSNR over the whole clip."""
+    from skimage.metrics import structural_similarity
+    if want.shape != got.shape:
+        return {"ssim_min": -1.0, "ssim_mean": -1.0, "psnr_db": -math.inf, "ssim_per_frame": [],
+                "shape_mismatch": f"{list(got.shape)} vs {list(want.shape)}"}
+    a, b = want.astype(np.float64), got.astype(np.float64)
+    m = min(a.shape[1:3])
+    win = min(7, m if m % 2 else m - 1)  # skimage's default 7, or the largest odd size that fits
+    ssim = [float(structural_similarity(a[t], b[t], data_range=data_range, channel_axis=-1, win_size=win))
+            for t in range(a.shape[0])]
+    return {"ssim_min": min(ssim), "ssim_mean": float(np.mean(ssim)), "psnr_db": _psnr(a, b, data_range),
+            "ssim_per_frame": ssim}
+
+
+def snr_db(want: torch.Tensor, got: torch.Tensor) -> float:
+    """10 log10(sum want^2 / sum (got - want)^2); inf when identical, -inf on a shape mismatch."""
+    if tuple(want.shape) != tuple(got.shape):
+        return -math.inf
+    w, d = want.double(), (got.double() - want.double())
+    noise, signal = float((d * d).sum()), float((w * w).sum())
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def _fmt_db(x: float) -> str:
+    return "inf" if math.isinf(x) and x > 0 else f"{x:.1f}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Artifacts: written atomically, read back
+# ------------------------------------------------------------------------------------------------
+
+def read_png_frames(directory: Path) -> np.ndarray:
+    from PIL import Image
+    files = sorted(directory.glob("frame_*.png"))
+    return np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files]) if files else np.zeros((0,))
+
+
+def read_wav(path: Path) -> tuple[np.ndarray, int]:
+    """-> int16 [channels, N], sample rate."""
+    with wave.open(str(path), "rb") as w:
+        n, c, rate = w.getnframes(), w.getnchannels(), w.getframerate()
+        pcm = np.frombuffer(w.readframes(n), dtype="<i2").reshape(n, c).T.copy()
+    return pcm, rate
+
+
+def write_and_read_back(out: SideOutput, directory: Path, sample_rate: int | None) -> dict:
+    from optimized.runtime import artifacts
+    got = {"frames_dir": artifacts.write_png_frames(out.video, directory / "frames")}
+    got["frames"] = read_png_frames(got["frames_dir"])
+    got["frames_expected"] = artifacts.to_uint8_frames(out.video).numpy()
+    if out.audio is not None and sample_rate is not None:
+        path = artifacts.write_wav(out.audio, directory / "audio.wav", sample_rate)
+        got["pcm"], got["rate"] = read_wav(path)
+        got["pcm_expected"] = (out.audio.detach().float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+    leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
+    got["leftovers"] = leftovers
+    return got
+
+
+# ------------------------------------------------------------------------------------------------
+# Cases and checks
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class C4Case:
+    name: str
+    seed: int
+    image: bool = False
+    sound: bool = False
+
+
+CASES = (C4Case("t2v", 41), C4Case("i2v", 42, image=True), C4Case("t2v_sound", 43, sound=True))
+
+
+def sound_frames_for(scfg: Cosmos3SoundConfig, num_frames: int, fps: float) -> int:
+    """The pipeline's rule: ceil(int(num_frames / fps * sampling_rate) / hop)."""
+    n = int(num_frames / fps * scfg.sampling_rate)
+    return (n + scfg.hop - 1) // scfg.hop
+
+
+def case_request(c: Components, case: C4Case, condition: torch.Tensor | None) -> Cosmos3GenerateRequest:
+    g = torch.Generator().manual_seed(3000 + case.seed)
+    s = c.vcfg.spatial_compression
+    return Cosmos3GenerateRequest(
+        text_ids=torch.randint(0, c.cfg.vocab_size, (9,), generator=g),
+        negative_text_ids=torch.randint(0, c.cfg.vocab_size, (4,), generator=g),
+        latent_frames=latent_frames_for(NUM_FRAMES, c.vcfg.temporal_compression), latent_height=HEIGHT // s,
+        latent_width=WIDTH // s, num_steps=STEPS, guidance_scale=5.0, fps=FPS, seed=case.seed,
+        scheduler=UniPCConfig(flow_shift=10.0),
+        vision_condition_frames=(0,) if condition is not None else (), condition_latents=condition,
+        sound_frames=sound_frames_for(c.scfg, NUM_FRAMES, FPS) if case.sound and c.scfg is not None else 0,
+    ).validate(c.cfg)
+
+
+def _bounds(tol: Tolerance) -> tuple[dict, dict]:
+    got = {"min_ssim": tol.min_ssim, "min_psnr": tol.min_psnr, "min_snr_db": getattr(tol, "min_snr_db", None)}
+    src = {k: "contract" if v is not None else "default (not in the contract's C4 row)" for k, v in got.items()}
+    return {k: (v if v is not None else DEFAULT_BOUNDS[k]) for k, v in got.items()}, src
+
+
+def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict, latent_tol: Tolerance,
+                    sample_rate: int | None, workdir: Path, progress) -> list[CheckResult]:
+    checks: list[CheckResult] = []
+    frame_tol = Tolerance(min_ssim=bounds["min_ssim"], min_psnr=bounds["min_psnr"])
+    lat_ok = {m: within(compare(got.latents[m], want.latents[m]), latent_tol) for m in want.latents
+              if m in got.latents}
+
+    # ---- frames, float, before quantisation
+    sim = video_similarity(frames01(want.video), frames01(got.video), 1.0)
+    ok = "shape_mismatch" not in sim and sim["ssim_min"] >= bounds["min_ssim"] and sim["psnr_db"] >= bounds["min_psnr"]
+    c = CheckResult(f"{prefix}/frames", ok, compare((got.video + 1) / 2, (want.video + 1) / 2), frame_tol,
+                    detail=f"SSIM min {sim['ssim_min']:.6f} (mean {sim['ssim_mean']:.6f}) over "
+                           f"{len(sim['ssim_per_frame'])} frames, PSNR {_fmt_db(sim['psnr_db'])} dB "
+                           f"(frames in [0, 1], data_range 1.0)" + (f"; {sim['shape_mismatch']}"
+                                                                     if "shape_mismatch" in sim else ""))
+    c.extra = {k: v if not (isinstance(v, float) and math.isinf(v)) else str(v) for k, v in sim.items()}
+    if not ok:
+        c.divergence = ("vae decode (final vision latents agree)" if lat_ok.get("vision")
+                        else "denoise loop (final vision latents differ)")
+    checks.append(c)
+    progress(f"[cosmos3 C4] {prefix}: frames SSIM min {sim['ssim_min']:.6f}, PSNR {_fmt_db(sim['psnr_db'])} dB")
+
+    # ---- audio
+    if want.audio is not None or got.audio is not None:
+        if want.audio is None or got.audio is None:
+            checks.append(CheckResult(f"{prefix}/audio", False, detail="waveform missing on one side"))
+        else:
+            snr = snr_db(want.audio, got.audio)
+            ok = snr >= bounds["min_snr_db"]
+            c = CheckResult(f"{prefix}/audio", ok, compare(got.audio, want.audio), AudioBound(bounds["min_snr_db"]),
+                            detail=f"SNR {_fmt_db(snr)} dB, waveform {list(want.audio.shape)}")
+            c.extra = {"snr_db": snr if math.isfinite(snr) else str(snr)}
+            if not ok:
+                c.divergence = ("sound decode (final sound latents agree)" if lat_ok.get("sound")
+                                else "denoise loop (final sound latents differ)")
+            checks.append(c)
+            progress(f"[cosmos3 C4] {prefix}: audio SNR {_fmt_db(snr)} dB")
+
+    # ---- artifacts on disk: atomic writes, read back, compared again
+    files = {}
+    for side, out in (("reference", want), ("optimized", got)):
+        files[side] = write_and_read_back(out, workdir / prefix.replace("/", "_") / side, sample_rate)
+    intact = all(np.array_equal(f["frames"], f["frames_expected"]) and not f["leftovers"]
+                 and ("pcm" not in f or (np.array_equal(f["pcm"], f["pcm_expected"]) and f["rate"] == sample_rate))
+                 for f in files.values())
+    checks.append(CheckResult(f"{prefix}/artifacts_roundtrip", intact,
+                              detail="PNG frames and WAV written atomically (no temp files left), read back equal "
+                                     "to the quantised tensors" if intact else "a read-back artifact differs from "
+                                     "the tensor it was written from, or a temp file was left behind"))
+    a, b = files["reference"]["frames"], files["optimized"]["frames"]
+    sim8 = video_similarity(a, b, 255.0)
+    ok = "shape_mismatch" not in sim8 and sim8["ssim_min"] >= bounds["min_ssim"] and \
+        sim8["psnr_db"] >= bounds["min_psnr"]
+    diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if a.shape == b.shape else -1
+    c = CheckResult(f"{prefix}/png_frames", ok, None, frame_tol, divergence=None if ok else "see frames",
+                    detail=f"uint8 PNG read-back: SSIM min {sim8['ssim_min']:.6f}, PSNR {_fmt_db(sim8['psnr_db'])} dB"
+                           f" (data_range 255), max |diff| {diff} levels")
+    c.extra = {"ssim_min": sim8["ssim_min"], "psnr_db": str(sim8["psnr_db"]), "max_level_diff": diff}
+    checks.append(c)
+    if "pcm" in files["reference"] and "pcm" in files["optimized"]:
+        pa, pb = files["reference"]["pcm"], files["optimized"]["pcm"]
+        snr = snr_db(torch.from_numpy(pa.astype(np.float64)), torch.from_numpy(pb.astype(np.float64)))
+        ok = snr >= bounds["min_snr_db"]
+        c = CheckResult(f"{prefix}/wav", ok, None, AudioBound(bounds["min_snr_db"]), divergence=None if ok else "see audio",
+                        detail=f"16-bit WAV read-back: SNR {_fmt_db(snr)} dB, {pa.shape[0]} channels x {pa.shape[1]}")
+        c.extra = {"snr_db": snr if math.isfinite(snr) else str(snr)}
+        checks.append(c)
+    return checks
+
+
+def condition_checks(prefix: str, ref_cond: torch.Tensor, eng_cond: torch.Tensor, eng: SideOutput,
+                     component_tol: Tolerance) -> list[CheckResult]:
+    m = compare(eng_cond, ref_cond)
+    checks = [CheckResult(f"{prefix}/condition_latents", within(m, component_tol), m, component_tol,
+                          detail="encoded image clip: optimized chunked wan.vae_encode vs reference encode, "
+                                 "normalised", divergence=None if within(m, component_tol) else "vae encode")]
+    drift = (eng.latents["vision"][:, :, 0] - eng_cond[:, :, 0]).abs().max().item()
+    ok = drift <= COND_FRAME_MAX_ABS
+    checks.append(CheckResult(f"{prefix}/condition_frame_kept", ok, compare(eng.latents["vision"][:, :, :1],
+                                                                           eng_cond[:, :, :1]),
+                              Tolerance(max_abs=COND_FRAME_MAX_ABS),
+                              detail=f"engine: final latent frame 0 vs its encoded image latent, max |diff| "
+                                     f"{drift:.1e} (<= {COND_FRAME_MAX_ABS:g}; upstream does not re-pin)"))
+    return checks
+
+
+# ------------------------------------------------------------------------------------------------
+# C4 runner
+# ------------------------------------------------------------------------------------------------
+
+def resolve_components(variants: list[str], checkpoint: str | None, seed: int) -> list[tuple[str, Components]]:
+    if checkpoint is not None:
+        from parity.families.cosmos3 import _resolve_models
+        models = _resolve_models(variants, checkpoint, seed)
+    else:
+        try:
+            models = []
+            for v in variants or DEFAULT_VARIANTS:
+                cfg = c4_transformer_config(load_variant(v))
+                models.append((v, cfg, random_state_dict(canonical_key_shapes(cfg), seed)))
+        except ManifestError as e:
+            raise SetupError(str(e)) from None
+    out = []
+    for name, cfg, state in models:
+        vcfg, scfg = c4_vae_config(cfg.latent_channels), c4_sound_config(cfg)
+        check_geometry(cfg, vcfg, scfg)
+        from parity.vae_checks import sound_random_state
+        out.append((name, Components(cfg, vcfg, scfg, state, vae_random_state(vcfg, seed + 1),
+                                     None if scfg is None else sound_random_state(scfg, seed + 2))))
+    return out
+
+
+def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
+           fault: str | None, progress: Callable[[str], None]) -> Report:
+    from parity.families.cosmos3 import DTYPE_NAMES, DTYPES
+
+    if fault is not None and fault not in C4_FAULTS:
+        raise SetupError(f"unknown C4 fault {fault!r}; known: {', '.join(C4_FAULTS)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SetupError("--device cuda requested but CUDA is not available")
+    contract = load_parity_contract("cosmos3")
+    dev = device.split(":")[0]
+    report = Report("cosmos3", "C4", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
+                                      "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
+                                      "steps": STEPS, "video": [NUM_FRAMES, HEIGHT, WIDTH], "fps": FPS})
+    with tempfile.TemporaryDirectory(prefix="fvparity-c4-") as tmp:
+        for vname, comp in resolve_components(variants, checkpoint, seed):
+            if fault == "swapped-stereo" and comp.scfg is None:
+                raise SetupError(f"fault swapped-stereo needs sound; variant {vname} has none")
+            for dname in dtypes:
+                dtype = DTYPES[dname]
+                try:
+                    tol = contract.tolerance("C4", DTYPE_NAMES[dname], dev)
+                    latent_tol = contract.tolerance("C1", DTYPE_NAMES[dname], dev)
+                    component_tol = contract.tolerance("C0", DTYPE_NAMES[dname], dev)
+                except ManifestError as e:
+                    raise SetupError(str(e)) from None
+                bounds, sources = _bounds(tol)
+                report.settings.setdefault("thresholds", {})[dname] = {
+                    **{k: {"value": v, "source": sources[k]} for k, v in bounds.items()},
+                    "condition_frame_max_abs": COND_FRAME_MAX_ABS}
+                progress(f"[cosmos3 C4] {vname} {dname}: loading transformer, VAE and sound decoder on both sides")
+                reference, engine = ReferenceSide(comp, device, dtype), EngineSide(comp, device, dtype)
+                rate = comp.scfg.sampling_rate if comp.scfg is not None else None
+                with planted(fault, engine):
+                    for case in CASES:
+                        if case.sound and comp.scfg is None:
+                            continue
+                        prefix = f"{vname}/{dname}/{case.name}"
+                        progress(f"[cosmos3 C4] {prefix}: generate + decode on both sides")
+                        ref_cond = eng_cond = None
+                        if case.image:
+                            clip = conditioning_clip(synthetic_image(HEIGHT, WIDTH), NUM_FRAMES).to(device)
+                            ref_cond, eng_cond = reference.encode_condition(clip), engine.encode_condition(clip)
+                        want = reference.generate(case_request(comp, case, ref_cond))
+                        got = engine.generate(case_request(comp, case, eng_cond))
+                        if case.image:
+                            report.checks += condition_checks(prefix, ref_cond, eng_cond, got, component_tol)
+                        report.checks += artifact_checks(prefix, want, got, bounds, latent_tol,
+                                                         rate, Path(tmp), progress)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream golden probe `cosmos3.pipeline` (diffusers Cosmos3OmniPipeline, decoded output; golden/README.md)
+# ------------------------------------------------------------------------------------------------
+
+def _load_upstream_dir(case, sub: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    import json
+    from safetensors.torch import load_file
+    d = case.path / sub
+    try:
+        config = json.loads((d / "config.json").read_text())
+        state = load_file(str(d / "diffusion_pytorch_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise SetupError(f"golden case {case.path}: cannot read {sub}/ ({e})") from None
+    return config, {k: v.float() for k, v in state.items()}
+
+
+def golden_components(case) -> Components:
+    """upstream/ (transformer, converted), upstream_vae/ and upstream_sound/ (diffusers names = canonical)."""
+    from converters import ConversionError, convert_diffusers_dir_to_canonical_state_dict
+    if case.meta.get("upstream_format") != "diffusers":
+        raise SetupError(f"golden case {case.path}: upstream_format must be 'diffusers'")
+    try:
+        cfg, state = convert_diffusers_dir_to_canonical_state_dict(case.path / "upstream")
+        vconf, vstate = _load_upstream_dir(case, "upstream_vae")
+        vcfg = WanVAEConfig.from_diffusers_config(vconf)
+        scfg = sstate = None
+        if (case.path / "upstream_sound").is_dir():
+            sconf, sstate = _load_upstream_dir(case, "upstream_sound")
+            scfg = Cosmos3SoundConfig.from_diffusers_config(sconf)
+    except (ConversionError, ManifestError) as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+    check_geometry(cfg, vcfg, scfg)
+    return Components(cfg, vcfg, scfg, state, vstate, sstate)
+
+
+def golden_pipeline_request(case, cfg: Cosmos3Config, condition: torch.Tensor | None) -> Cosmos3GenerateRequest:
+    """The stored pure noise, mixed with this side's own encoded conditioning where frames are conditioned
+    (what the pipeline's prepare_latents does with its generator's draw)."""
+    t, p = case.inputs, case.meta.get("params", {})
+    try:
+        cond_frames = tuple(int(f) for f in p.get("vision_condition_frames", []))
+        noise = t["noise_vision"].float()
+        if cond_frames:
+            if condition is None:
+                raise SetupError(f"golden case {case.path}: conditioned frames but no conditioning image")
+            mask = torch.zeros(noise.shape[2], 1, 1)
+            mask[list(cond_frames)] = 1.0
+            noise = mask * condition + (1.0 - mask) * noise
+        return Cosmos3GenerateRequest(
+            text_ids=t["input_ids"], negative_text_ids=t["negative_input_ids"],
+            latent_frames=int(p["latent_frames"]), latent_height=int(p["latent_height"]),
+            latent_width=int(p["latent_width"]), num_steps=int(p["num_inference_steps"]),
+            guidance_scale=float(p["guidance_scale"]), fps=float(p["fps"]), seed=None,
+            scheduler=UniPCConfig(**p["scheduler"]), vision_condition_frames=cond_frames,
+            condition_latents=condition if cond_frames else None, sound_frames=int(p.get("sound_frames", 0)),
+            noise_vision=noise, noise_sound=t.get("noise_sound")).validate(cfg)
+    except (KeyError, TypeError, ManifestError) as e:
+        raise SetupError(f"golden case {case.path}: incomplete cosmos3.pipeline inputs/params ({e})") from None
+
+
+def golden_pipeline_probe(case, sides) -> list[CheckResult]:
+    """Both sides: encode the stored conditioning image (i2v) with their own VAE, generate, decode; compare with the
+    pipeline's decoded frames (output_type "pt": [T, 3, H, W] in [0, 1]) and waveform, plus the latents on the way."""
+    comp = golden_components(case)
+    tol, out = case.tolerance, case.outputs
+    params = case.meta.get("params", {})
+    clip = None
+    if "image" in case.inputs:
+        clip = conditioning_clip(case.inputs["image"].float(), int(params["num_frames"]))
+    results: list[CheckResult] = []
+
+    def chk(name, got, key):
+        if key not in out:
+            return
+        if got is None:
+            results.append(CheckResult(name, False, detail=f"no {key} produced"))
+            return
+        m = compare(got, out[key])
+        results.append(CheckResult(name, within(m, tol), m, tol))
+
+    for side in sides:
+        name = f"{case.name}/{side}"
+        s = ReferenceSide(comp) if side == "reference" else EngineSide(comp)
+        cond = s.encode_condition(clip) if clip is not None else None
+        chk(f"{name}:condition_latents", cond, "condition_latents")
+        req = golden_pipeline_request(case, comp.cfg, cond)
+        if side == "reference":
+            res = s.ref.generate(s.model, req, keep_trajectory=True)
+            latents = {"vision": res.vision, "sound": res.sound}
+            trajectory, timesteps = res.trajectory, res.timesteps
+            video, audio = s.ref_sound.decode_cosmos3_outputs(s.vae, s.sound, res.vision, res.sound)
+        else:
+            r = s.engine.generate(req, record_trajectory=True)
+            latents, trajectory, timesteps = r["latents"], r["trajectory"], r["timesteps"]
+            video, audio = s.opt_sound.decode_cosmos3_outputs(s.vae, s.sound, latents["vision"], latents.get("sound"))
+        want_ts = out.get("model_timesteps")
+        ok = want_ts is not None and list(timesteps) == want_ts.tolist()
+        results.append(CheckResult(f"{name}:model_timesteps", ok,
+                                   detail="" if ok else f"{timesteps} vs upstream "
+                                                        f"{None if want_ts is None else want_ts.tolist()}"))
+        chk(f"{name}:vision", latents.get("vision"), "latents_vision")
+        if "trajectory_vision" in out:
+            steps = [compare(st["vision"], out["trajectory_vision"][k]) for k, st in enumerate(trajectory)]
+            bad = [k for k, m in enumerate(steps) if not within(m, tol)]
+            worst = max(steps, key=lambda m: m.rel_l2)
+            results.append(CheckResult(f"{name}:vision_trajectory", not bad and len(steps) ==
+                                       len(out["trajectory_vision"]), worst, tol,
+                                       detail=f"first divergent step {bad[0]}" if bad else f"{len(steps)} steps"))
+        chk(f"{name}:sound", latents.get("sound"), "latents_sound")
+        # decoded frames before uint8 quantisation, in the pipeline's "pt" layout [T, 3, H, W] in [0, 1]
+        chk(f"{name}:frames", (video[0].permute(1, 0, 2, 3) + 1) / 2, "video")
+        chk(f"{name}:audio", audio, "audio")
+    return results
+
+
+PROBES = {"cosmos3.pipeline": golden_pipeline_probe}
