@@ -57,3 +57,15 @@ def test_c1_fault_fails_at_named_step_and_layer(fvparity, tmp_path, fault):
     if fault != "wrong-flow-shift":  # the Karras schedule ignores flow_shift, so that case must still pass
         return
     assert all(c["passed"] for n, c in checks.items() if "/karras_shipped/" in n)
+
+
+def test_ar_rope_off_by_one_in_decode_fails_at_first_decoded_token(fvparity, tmp_path):
+    out = tmp_path / "r.json"
+    proc = fvparity("run", "cosmos3", "--level", "C1", "--variant", "tiny", "--plant-fault",
+                    "rope-off-by-one-decode", "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    solo = checks["tiny/fp32/ar/solo0:logits"]
+    assert not solo["passed"] and solo["first_divergence"] == "token 1 (decode)"
+    assert solo["extra"]["per_token_rel_l2"][0] <= 1e-5  # the prefill token is untouched by the fault
+    assert all(c["passed"] for n, c in checks.items() if "/ar/" not in n)  # denoise loops unaffected
