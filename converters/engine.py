@@ -28,8 +28,10 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -531,16 +533,36 @@ def plan_conversion(family: Family, manifest: CheckpointManifest, cfg: Any, info
 # tensor fetch with finiteness checks
 
 
-def count_nonfinite(x: torch.Tensor) -> int:
-    """NaN/Inf count in chunks, so the check needs little scratch memory even for multi-GB tensors."""
+_EXP_MASK = {  # float dtype -> (same-width int view, exponent mask): all exponent bits set = Inf or NaN
+    torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000),
+    torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+}
+
+
+def has_nonfinite(x: torch.Tensor) -> bool:
+    """Any NaN/Inf? A bit test on the exponent field, in chunks (fast, little scratch memory)."""
     if not x.is_floating_point() or x.numel() == 0:
+        return False
+    spec = _EXP_MASK.get(x.dtype)
+    if spec is None:
+        return not bool(torch.isfinite(x).all())
+    if not x.is_contiguous():
+        x = x.contiguous()
+    a = x.view(-1).view(spec[0]).numpy()
+    m = a.dtype.type(spec[1])
+    for i in range(0, a.size, FINITE_CHUNK):
+        c = a[i:i + FINITE_CHUNK]
+        if ((c & m) == m).any():
+            return True
+    return False
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """NaN/Inf count (exact; only on the rare path where has_nonfinite says there are some)."""
+    if not has_nonfinite(x):
         return 0
-    if x.is_contiguous():
-        flat = x.view(-1)
-        return sum(int((~torch.isfinite(flat[i:i + FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), FINITE_CHUNK))
-    if x.dim() == 0:
-        return int(not bool(torch.isfinite(x)))
-    return sum(count_nonfinite(x[i]) for i in range(x.shape[0]))
+    flat = x.contiguous().view(-1)
+    return sum(int((~torch.isfinite(flat[i:i + FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), FINITE_CHUNK))
 
 
 class _SourceCache:
@@ -581,7 +603,7 @@ def _fetch(cache: _SourceCache, e: PlanEntry, allow_nonfinite: bool, nonfinite: 
         x = cache.get(s, keep=e.op == "split")
         if e.op == "split":
             x = x.narrow(e.dim, e.offset, e.shape[e.dim])
-        bad = count_nonfinite(x)
+        bad = has_nonfinite(x)
         if bad:
             what = f"holds {int(torch.isnan(x).sum())} NaN and {int(torch.isinf(x).sum())} Inf values"
             if not allow_nonfinite:
@@ -589,7 +611,7 @@ def _fetch(cache: _SourceCache, e: PlanEntry, allow_nonfinite: bool, nonfinite: 
                                       f"refusing (pass --allow-nonfinite / allow_nonfinite=True to keep them)")
             nonfinite.append({"key": e.target, "source_key": s.key, "detail": what})
         y = x.to(out_dtype)
-        if y is not x and not bad:
+        if y is not x and not bad and has_nonfinite(y):
             over = count_nonfinite(y)
             if over:
                 what = f"finite {s.dtype} values overflow {e.out_dtype} ({over} become Inf)"
@@ -856,6 +878,8 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
     tmp: Path | None = None
     check_dir: Path | None = None
     published = False
+    hashing: ThreadPoolExecutor | None = None
+    stop_hashing = threading.Event()
     try:
         parent = out.parent if str(out.parent) else Path(".")
         missing_parents = []
@@ -872,16 +896,11 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
 
         in_paths = ([res.config_path.resolve()] if res.config_path else []) + [p.resolve() for p in reader.files]
         in_paths += [p.resolve() for p, _ in res.expected if p.resolve() not in in_paths]
-        say(f"hashing {len(in_paths)} input file(s)")
-        inputs = hash_files(in_paths)
-        by_path = {i["path"]: i for i in inputs}
-        if res.weights_sha256 and by_path[str(res.weights_path.resolve())]["sha256"] != res.weights_sha256:
-            raise ConversionError(f"{res.weights_path}: sha256 {by_path[str(res.weights_path.resolve())]['sha256']} "
-                                  f"differs from the {res.weights_sha256} manifest {manifest.id} expects")
-        for p, e in res.expected:
-            got = by_path[str(p.resolve())]["sha256"]
-            if e.sha256 and got != e.sha256:
-                raise ConversionError(f"{p}: sha256 {got} differs from the {e.sha256} manifest {manifest.id} expects")
+        say(f"hashing {len(in_paths)} input file(s) (in the background)")
+        # sha256 of the inputs runs on another core while the conversion reads/writes (hashlib and file reads
+        # release the GIL); it is checked before anything is published
+        hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fvconvert-sha256")
+        hashed = hashing.submit(hash_files, in_paths, stop=stop_hashing)
 
         out_tensors = [OutTensor(e.target, e.out_dtype, e.shape) for e in plan.entries]
         by_target = {e.target: e for e in plan.entries}
@@ -922,6 +941,17 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
         outputs, weight_names = _write_weights(tmp, out_tensors, fetch, max_shard_bytes, meta, on_tensor=tick)
         cache.drop()
         write_s = time.time() - t_write
+        if not hashed.done():
+            say("waiting for the input sha256")
+        inputs = hashed.result()
+        by_path = {i["path"]: i for i in inputs}
+        if res.weights_sha256 and by_path[str(res.weights_path.resolve())]["sha256"] != res.weights_sha256:
+            raise ConversionError(f"{res.weights_path}: sha256 {by_path[str(res.weights_path.resolve())]['sha256']} "
+                                  f"differs from the {res.weights_sha256} manifest {manifest.id} expects")
+        for p, e in res.expected:
+            got = by_path[str(p.resolve())]["sha256"]
+            if e.sha256 and got != e.sha256:
+                raise ConversionError(f"{p}: sha256 {got} differs from the {e.sha256} manifest {manifest.id} expects")
 
         sidecar_info: dict[str, dict] = {}
         by_sidecar: dict[str, list] = {}
@@ -1050,6 +1080,9 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
     except OSError as e:
         raise ConversionError(f"{getattr(e, 'filename', None) or out}: {e.strerror or e}") from None
     finally:
+        if hashing is not None:
+            stop_hashing.set()
+            hashing.shutdown(wait=True)
         reader.close()
         if check_dir is not None:
             shutil.rmtree(check_dir, ignore_errors=True)
@@ -1065,4 +1098,4 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
 
 __all__ = ["ConversionReport", "Plan", "PlanEntry", "SourceRef", "SidecarEntry", "convert", "convert_to_state_dict",
            "convert_diffusers_dir_to_canonical_state_dict", "normalize_dtype", "plan_conversion", "resolve_source",
-           "read_source_config", "count_nonfinite"]
+           "read_source_config", "count_nonfinite", "has_nonfinite"]

@@ -38,6 +38,7 @@ for _tag, _name in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
     if hasattr(torch, _name):
         ST_TO_TORCH[_tag] = getattr(torch, _name)
 TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
+ST_TO_TORCH_BY_NAME = {str(v).removeprefix("torch."): v for v in ST_TO_TORCH.values()}
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -109,12 +110,27 @@ def _safe_open(path: Path):
         raise ConversionError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
+def _data_offsets(path: Path) -> dict[tuple[Path, str], tuple[int, int]]:
+    """{(path, key): (start, end)} absolute byte offsets, from the header (8-byte LE length + JSON)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        return {(path, k): (8 + n + int(v["data_offsets"][0]), 8 + n + int(v["data_offsets"][1]))
+                for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ConversionError(f"{path}: not a readable safetensors file (header: {e})") from None
+
+
 class SafetensorsReader(WeightReader):
-    """One safetensors file, or the shards named by a `*.safetensors.index.json`."""
+    """One safetensors file, or the shards named by a `*.safetensors.index.json`. Headers are validated by the
+    safetensors library; tensor data is read with plain file reads into fresh buffers (not memory-mapped), so
+    resident memory holds only the tensors in use, whatever the checkpoint size."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._handles: dict[Path, object] = {}
+        self._offsets: dict[tuple[Path, str], tuple[int, int]] = {}   # absolute byte range of each tensor
+        self._files: dict[Path, object] = {}
         self._infos: dict[str, TensorInfo] = {}
         if self.path.name.endswith(".index.json"):
             self.kind = "safetensors_index"
@@ -175,8 +191,8 @@ class SafetensorsReader(WeightReader):
 
     def _scan(self, shards: list[Path]) -> None:
         for shard in shards:
-            h = _safe_open(shard)
-            self._handles[shard] = h
+            h = _safe_open(shard)          # the library validates the header (offsets, dtypes, file length)
+            self._offsets.update(_data_offsets(shard))
             try:
                 keys = list(h.keys())
             except Exception as e:
@@ -216,13 +232,33 @@ class SafetensorsReader(WeightReader):
         inf = self._infos.get(key)
         if inf is None:
             raise ConversionError(f"{self.path}: no tensor {key!r}")
+        dt = ST_TO_TORCH_BY_NAME.get(inf.dtype)
+        if dt is None:
+            raise ConversionError(f"{inf.file}: key {key!r} has dtype {inf.dtype}, which this torch cannot hold")
+        start, end = self._offsets[(inf.file, key)]
+        x = torch.empty(inf.shape, dtype=dt)
+        want = x.numel() * x.element_size()
+        if want != end - start:
+            raise ConversionError(f"{inf.file}: key {key!r}: header gives {end - start} bytes for {inf.dtype} "
+                                  f"{list(inf.shape)}, which needs {want}")
+        if want == 0:
+            return x
         try:
-            return self._handles[inf.file].get_tensor(key)
-        except Exception as e:
-            raise ConversionError(f"{inf.file}: key {key!r}: cannot read tensor data ({type(e).__name__}: {e})") from None
+            f = self._files.get(inf.file)
+            if f is None:
+                f = self._files[inf.file] = open(inf.file, "rb")
+            f.seek(start)
+            n = f.readinto(memoryview(x.view(-1).view(torch.uint8).numpy()))
+        except OSError as e:
+            raise ConversionError(f"{inf.file}: key {key!r}: cannot read tensor data ({e.strerror or e})") from None
+        if n != want:
+            raise ConversionError(f"{inf.file}: key {key!r}: file ends after {n} of {want} bytes (truncated)")
+        return x
 
     def close(self) -> None:
-        self._handles.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 class TorchReader(WeightReader):
@@ -343,7 +379,8 @@ def open_weights(kind: str, path: Path) -> WeightReader:
     raise ConversionError(f"{path}: unknown weight file kind {kind!r}")
 
 
-def hash_files(paths: Iterable[Path], chunk: int = 1 << 22) -> list[dict]:
+def hash_files(paths: Iterable[Path], chunk: int = 1 << 22, stop=None) -> list[dict]:
+    """[{"path", "bytes", "sha256"}] per file. `stop` (a threading.Event) aborts early (returns [])."""
     import hashlib
 
     out = []
@@ -353,6 +390,8 @@ def hash_files(paths: Iterable[Path], chunk: int = 1 << 22) -> list[dict]:
         try:
             with open(p, "rb") as f:
                 while True:
+                    if stop is not None and stop.is_set():
+                        return []
                     b = f.read(chunk)
                     if not b:
                         break

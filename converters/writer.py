@@ -87,6 +87,7 @@ def write_safetensors(path: Path, tensors: list[OutTensor], fetch: Callable[[Out
             if buf.nbytes != t.nbytes:
                 raise ConversionError(f"{path}: key {t.key!r}: wrote {buf.nbytes} bytes, planned {t.nbytes}")
             put(memoryview(buf))
+            del x, buf      # drop this tensor before fetching the next: peak memory is one tensor, not two
             if on_tensor is not None:
                 on_tensor(t)
         f.flush()

@@ -20,7 +20,7 @@ LEVEL_HELP = {
     "C1": "loop parity: denoise trajectories step by step, batched concurrent requests, CFG policies, modes",
     "C2": "logprob identity of a rollout vs its recompute (not implemented yet)",
     "C3": "rollout distributions, two-sample test (not implemented yet)",
-    "C4": "decoded artifacts: SSIM/PSNR of frames, SNR of audio (not implemented yet)",
+    "C4": "decoded artifacts: SSIM/PSNR of frames, SNR of audio",
 }
 
 
@@ -80,9 +80,12 @@ def list_cmd() -> None:
 @click.option("--plant-fault", "fault", default=None,
               help="Negative control: plant a named fault in the optimized side; the run must FAIL and "
                    "name the divergent layer. See `fvparity list`.")
+@click.option("--world-size", "world_sizes", type=click.IntRange(1, 64), multiple=True,
+              help="Sequence-parallel world size(s) to check against world size 1 (repeatable; families with a "
+                   "parallel plan only, e.g. seedvr2; CPU ranks use gloo).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the full report (every metric) as JSON to this path.")
-def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, json_path) -> None:
+def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, json_path) -> None:
     """Run parity level LEVEL for FAMILY and print a table of checks.
 
     Exit code 0 when every check passes, 1 when any fails, 2 on a usage/setup error or when the
@@ -94,9 +97,14 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, jso
             raise SetupError(f"level {level} is not implemented for {family} yet "
                              f"(implemented: {', '.join(fam.LEVELS) or 'none'})")
         dtype = dtype or ("all" if level == "C0" else "fp32")
+        extra = {}
+        if world_sizes:
+            if not getattr(fam, "SUPPORTS_WORLD_SIZE", False):
+                raise SetupError(f"{family} has no sequence-parallel plan; --world-size does not apply")
+            extra["world_sizes"] = sorted(set(world_sizes))
         report = fam.LEVELS[level](variants=list(variants), checkpoint=checkpoint, device=device,
                                    dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed,
-                                   fault=fault, progress=lambda msg: click.echo(msg, err=True))
+                                   fault=fault, progress=lambda msg: click.echo(msg, err=True), **extra)
     except SetupError as e:
         _fail_setup(str(e))
     _emit(report, json_path)

@@ -94,3 +94,9 @@ def test_converted_golden_passes_both_sides(tmp_path, case, variant):
         with torch.no_grad():
             out = model(i["vid"], i["vid_shape"], i["txt"], i["txt_shape"], i["timestep"])
         assert rel_l2(out, o["vid_sample"]) <= 1e-5
+
+
+def test_released_vae_key_set_matches_manifest():
+    from manifests.seedvr2 import load_vae_variant, vae_key_shapes
+    infos = released_infos("vae_full_keys.txt")
+    assert {k: i.shape for k, i in infos.items()} == vae_key_shapes(load_vae_variant("released"))

@@ -6,9 +6,9 @@ from types import ModuleType
 
 from parity.errors import SetupError
 from parity import vae_checks
-from parity.families import cosmos3, wan
+from parity.families import cosmos3, seedvr2, wan
 
-FAMILIES: dict[str, ModuleType] = {"cosmos3": cosmos3, "wan": wan, "cosmos3-sound": vae_checks}
+FAMILIES: dict[str, ModuleType] = {"cosmos3": cosmos3, "wan": wan, "cosmos3-sound": vae_checks, "seedvr2": seedvr2}
 
 
 def get_family(name: str) -> ModuleType:

@@ -30,6 +30,7 @@ from optimized.parallel import ParallelPlan, SPGroup
 from optimized.parallel.launch import run_ranks
 
 DEFAULT_VARIANTS = ("tiny-3b", "tiny-7b")
+SUPPORTS_WORLD_SIZE = True  # fvparity --world-size
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
