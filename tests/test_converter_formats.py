@@ -765,3 +765,23 @@ def test_progress_updates(tmp_path):
             progress_update=ups.append)
     assert ups[-1]["done"] == ups[-1]["total"] == len(ups) and ups[-1]["done_bytes"] == ups[-1]["total_bytes"]
     assert not any("tensors written" in ln for ln in lines) and any(ln.startswith("done:") for ln in lines)
+
+
+def test_readers_return_fresh_memory_and_release_mapped_pages(tmp_path):
+    """Safetensors data comes from plain reads (fresh buffers, nothing memory-mapped stays resident); a
+    memory-mapped torch pickle hands its pages back after use and re-reads them on demand."""
+    from converters.readers import SafetensorsReader, TorchReader
+
+    sd = {"a": torch.randn(300, 700), "b": torch.arange(10, dtype=torch.float16), "empty": torch.zeros(0, 3)}
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    with SafetensorsReader(tmp_path / "w.safetensors") as r:
+        x = r.get("a")
+        x.mul_(0)                                 # writable, and not the file: a second read is unchanged
+        assert torch.equal(r.get("a"), sd["a"]) and torch.equal(r.get("b"), sd["b"]) and r.get("empty").shape == (0, 3)
+    torch.save(sd, tmp_path / "w.pt")
+    r = TorchReader(tmp_path / "w.pt")
+    assert r.mapped
+    before = r.get("a").clone()
+    r.release("a")
+    assert torch.equal(r.get("a"), before)
+    r.close()

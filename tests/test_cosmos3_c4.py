@@ -22,19 +22,21 @@ PIPE_CASES = sorted(p for p in (ROOT / "golden" / "cosmos3").iterdir() if p.name
 quiet = lambda msg: None
 
 
-def _run(fault=None):
-    return c4.run_c4([], None, "cpu", ["fp32"], 0, fault, quiet)
+def _run(fault=None, variants=("tiny",)):
+    return c4.run_c4(list(variants), None, "cpu", ["fp32"], 0, fault, quiet)
 
 
 def test_c4_passes_with_measured_values():
-    r = _run()
+    r = _run(variants=())                                 # the defaults: tiny (with sound) and tiny-edge (relu2)
+    assert r.settings["variants"] == ["tiny", "tiny-edge"]
     assert r.passed, [(c.name, c.detail) for c in r.checks if not c.passed]
     names = {c.name for c in r.checks}
     for case in ("t2v", "i2v", "t2v_sound"):
         assert {f"tiny/fp32/{case}/frames", f"tiny/fp32/{case}/png_frames",
                 f"tiny/fp32/{case}/artifacts_roundtrip"} <= names
     assert {"tiny/fp32/t2v_sound/audio", "tiny/fp32/t2v_sound/wav", "tiny/fp32/i2v/condition_latents",
-            "tiny/fp32/i2v/condition_frame_kept"} <= names
+            "tiny/fp32/i2v/condition_frame_kept", "tiny-edge/fp32/i2v/frames"} <= names
+    assert not any(n.startswith("tiny-edge/fp32/t2v_sound") for n in names)   # tiny-edge has no sound head
     by = {c.name: c for c in r.checks}
     frames = by["tiny/fp32/t2v/frames"]
     assert frames.extra["ssim_min"] > 0.9999 and float(frames.extra["psnr_db"]) > 100

@@ -18,6 +18,7 @@ CASES = sorted((ROOT / "golden" / "cosmos3").iterdir())
 def test_cases_exist():
     probes = [json.loads((c / "case.json").read_text())["probe"] for c in CASES]
     assert probes.count("cosmos3.transformer") >= 4 and probes.count("cosmos3.generate") >= 4
+    assert probes.count("cosmos3.reason") >= 2
 
 
 def test_tampered_generate_trajectory_fails_at_that_step(fvparity, tmp_path):
@@ -40,6 +41,9 @@ def test_all_goldens_pass_both_sides(fvparity, tmp_path):
     for case in CASES:
         probe = json.loads((case / "case.json").read_text())["probe"]
         for side in ("reference", "optimized"):
+            if probe == "cosmos3.reason":
+                assert f"{case.name}/{side}:greedy_tokens" in names and f"{case.name}/{side}:step_logits" in names
+                continue
             assert f"{case.name}/{side}:vision" in names
             if probe == "cosmos3.transformer":
                 assert f"{case.name}/{side}:position_ids" in names

@@ -147,6 +147,7 @@ def main(argv=None) -> int:
                "--skip-parity", "-q"] + (["--dtype", args.dtype] if args.dtype else [])
         print("converting: " + " ".join(cmd), flush=True)
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        load0 = os.getloadavg()[0]
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
         rows = [
             ("date (UTC)", time.strftime("%Y-%m-%d %H:%M", time.gmtime())),
             ("machine", f"{platform.machine()}, {os.cpu_count()} cores, {_mem_total() / GiB:.1f} GiB RAM, "
-                        f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}"),
+                        f"{platform.python_implementation()} {platform.python_version()}, torch {torch.__version__}; "
+                        f"load average {load0:.1f} before / {os.getloadavg()[0]:.1f} after the conversion"),
             ("checkpoint", f"{total / 1e9:.2f} GB bf16 in {n_shards} shards, {len(shapes)} tensors "
                            f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})"),
             ("output", f"{out_bytes / 1e9:.2f} GB in {len(report['outputs']) - 2} file(s)"

@@ -106,3 +106,51 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
                               detail="the reasoning's K/V served the generator's prompt from step 0" if reused else
                               f"exported={out['reasoning']['und_kv_exported']}, und cache misses={misses}"))
     return checks
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream golden probe `cosmos3.reason` (transformers Cosmos3OmniForConditionalGeneration, text only)
+# ------------------------------------------------------------------------------------------------
+
+def golden_reason_probe(case, sides) -> list[CheckResult]:
+    from converters import ConversionError, convert_to_state_dict
+    from manifests import ManifestError
+    from manifests.cosmos3 import canonical_key_shapes
+    from parity.errors import SetupError
+    from parity.families.cosmos3 import load_reference
+
+    try:
+        cfg, partial = convert_to_state_dict("cosmos3", case.meta["upstream_format"], case.path / "upstream")
+        req = ReasonRequest(case.inputs["input_ids"], int(case.meta["params"]["max_new_tokens"])).validate(cfg)
+    except (ConversionError, ManifestError, KeyError) as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+    # a reasoner checkpoint fills the und pathway, embeddings, final norm and lm_head; the generator parts are
+    # never read by reasoning, so they are zero-filled only to satisfy the loaders' strict key check
+    state = {k: partial.get(k, torch.zeros(shape)) for k, shape in canonical_key_shapes(cfg).items()}
+    out, tol = case.outputs, case.tolerance
+    results = []
+    for side in sides:
+        name = f"{case.name}/{side}"
+        if side == "reference":
+            from reference.cosmos3.reasoner import und_logits
+            model = load_reference(cfg, state, "cpu", torch.float32)
+            with torch.no_grad():
+                prompt_logits = und_logits(model, req.prompt_ids).float()
+            res = reason(model, req)
+            tokens, step_logits = res.tokens, res.logits
+        else:
+            eng = optimized.Engine.from_state_dict(cfg, state, kv_block_size=4)
+            got = eng.reason(req, record_logits=True)
+            tokens, step_logits = got["tokens"], got["logits"]
+            prompt_logits = None  # the engine exposes next-token logits only; prefill covers the last row
+        if prompt_logits is not None:
+            m = compare(prompt_logits, out["prompt_logits"])
+            results.append(CheckResult(f"{name}:prompt_logits", within(m, tol), m, tol))
+        m = compare(torch.stack(step_logits), out["step_logits"]) if len(step_logits) == len(out["step_logits"]) \
+            else None
+        results.append(CheckResult(f"{name}:step_logits", m is not None and within(m, tol), m, tol,
+                                   detail="" if m is not None else f"{len(step_logits)} steps"))
+        same = tokens == out["greedy_tokens"].tolist()
+        results.append(CheckResult(f"{name}:greedy_tokens", same,
+                                   detail="" if same else f"{tokens} vs upstream {out['greedy_tokens'].tolist()}"))
+    return results

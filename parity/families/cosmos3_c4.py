@@ -49,7 +49,7 @@ from parity.metrics import compare, within
 from parity.report import CheckResult, Report
 from parity.weights import random_state_dict
 
-DEFAULT_VARIANTS = ("tiny",)
+DEFAULT_VARIANTS = ("tiny", "tiny-edge")
 STEPS = 4
 NUM_FRAMES, HEIGHT, WIDTH = 9, 48, 64          # -> latent [1, 48, 3, 3, 4]
 FPS = 24.0
