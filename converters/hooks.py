@@ -24,7 +24,8 @@ _REGISTRY: dict[str, Callable[[Path], dict]] = {}
 
 
 def register_post_check(family: str, fn: Callable[[Path], dict] | None) -> None:
-    """Register (or with None, remove) the post-check `fvconvert FAMILY` runs unless --skip-parity."""
+    """Register (or with None, remove) the post-check `fvconvert FAMILY` runs unless --skip-parity. The name
+    looked up is the manifest's `parity.post_check`, which defaults to the family name."""
     if fn is None:
         _REGISTRY.pop(family, None)
     else:

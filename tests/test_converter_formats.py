@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
@@ -454,7 +453,24 @@ def _golden_results(case: Path, cfg, state) -> list:
 
 @pytest.mark.parametrize("case", sorted(p.name for p in GOLDEN.iterdir()))
 def test_golden_cases_through_every_format(tmp_path, case):
+    """Each golden case's upstream weights, re-expressed in every other layout (documented inverse mappings),
+    convert to exactly the canonical tensors the case's own layout gives; transformer-probe cases then pass
+    against the upstream outputs on both sides with those weights."""
     case_dir = GOLDEN / case
+    meta = json.loads((case_dir / "case.json").read_text())
+    if meta["upstream_format"] == "transformers":      # a reasoner case (probe cosmos3.reason)
+        rep = convert("cosmos3", "transformers", case_dir / "upstream", tmp_path / "o", skip_parity=True)
+        assert rep.unexpected == [] and rep.missing == [] and rep.dropped == [] and rep.parts["filled"] == ["und"]
+        cfg, want = load_canonical(tmp_path / "o", parts=["und"])
+        saved = load_file(str(case_dir / "upstream" / "model.safetensors"))
+        module = {transformers_module_key(k, is_edge(cfg)): v for k, v in saved.items()}   # state_dict() names
+        (tmp_path / "m").mkdir()
+        save_file(module, str(tmp_path / "m" / "model.safetensors"))
+        (tmp_path / "m" / "config.json").write_text((case_dir / "upstream" / "config.json").read_text())
+        _, got = convert_to_state_dict("cosmos3", "transformers", tmp_path / "m")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        return
+    assert meta["upstream_format"] == "diffusers"
     dcfg = json.loads((case_dir / "upstream" / "config.json").read_text())
     cfg, want = _golden_state(case_dir)
     for fmt in ("diffusers-raw", "framework", "transformers"):
@@ -472,8 +488,8 @@ def test_golden_cases_through_every_format(tmp_path, case):
             got = {**want, **got}          # the reasoner's und part + the generator's other parts
         else:
             assert got_cfg == cfg
-        if json.loads((case_dir / "case.json").read_text())["probe"] != "cosmos3.transformer":
-            continue   # a pipeline (generate) case: identical canonical weights are what matters here
+        if meta["probe"] != "cosmos3.transformer":
+            continue   # a pipeline/generate case: identical canonical weights are what this test checks
         results = _golden_results(case_dir, cfg, got)
         assert results and all(r.passed for r in results), (fmt, [(r.name, r.metrics) for r in results if not r.passed])
 

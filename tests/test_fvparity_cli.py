@@ -31,7 +31,8 @@ def test_c0_passes_with_table_and_json(fvparity, tmp_path):
 def test_list_shows_levels(fvparity):
     proc = fvparity("list")
     assert proc.returncode == 0
-    assert "cosmos3" in proc.stdout and "tiny-edge" in proc.stdout and "C2(-)" in proc.stdout and "C1(-)" not in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("cosmos3 "))
+    assert "tiny-edge" in row and "C2(-)" in row and "C1(-)" not in row and "C0 C1" in row
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -57,10 +57,6 @@ def diffusers_config(cfg: Cosmos3Config) -> dict:
     return d
 
 
-def meta_infos(sd: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
-    return {k: TensorInfo(k, Path("release.safetensors"), "bfloat16", tuple(v.shape)) for k, v in sd.items()}
-
-
 @pytest.fixture(scope="module")
 def diffusers_release_sets() -> dict[str, dict[str, tuple[int, ...]]]:
     pytest.importorskip("diffusers")

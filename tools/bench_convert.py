@@ -167,7 +167,8 @@ def main(argv=None) -> int:
                         f"load average {load0:.1f} before / {os.getloadavg()[0]:.1f} after the conversion"),
             ("checkpoint", f"{total / 1e9:.2f} GB bf16 in {n_shards} shards, {len(shapes)} tensors "
                            f"({cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size})"),
-            ("output", f"{out_bytes / 1e9:.2f} GB in {len(report['outputs']) - 2} file(s)"
+            ("output", f"{out_bytes / 1e9:.2f} GB in "
+                       f"{sum(o['path'].endswith('.safetensors') for o in report['outputs'])} safetensors file(s)"
                        + (f", cast to {args.dtype}" if args.dtype else "")),
             ("largest tensor", f"{largest_key} {list(shapes[largest_key])} = {largest / GiB:.2f} GiB"),
             ("peak RSS (child)", f"{peak / GiB:.2f} GiB = {peak / largest:.2f} x largest tensor "

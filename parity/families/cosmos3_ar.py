@@ -80,8 +80,15 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
     h_ar = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
     eng.run_until_idle()
     for i, (h, want) in enumerate(zip(h_ar, wants)):
+        if h.status != "completed":
+            checks.append(CheckResult(f"{prefix}/ar/mixed{i}", False, detail=f"engine request {h.status}"))
+            continue
         checks += compare_reasoning(f"{prefix}/ar/mixed{i}", h.result(), want, tol)
     for k, (d, h) in enumerate(zip(dn, h_dn)):
+        if h.status != "completed":  # an engine failure is a failed check, not a crash of the harness
+            checks.append(CheckResult(f"{prefix}/ar/mixed_denoise{k}:vision", False,
+                                      detail=f"engine request {h.status}: {h.record.error}"))
+            continue
         want_v = generate(reference, d).vision
         m = compare(h.result()["latents"]["vision"], want_v)
         checks.append(CheckResult(f"{prefix}/ar/mixed_denoise{k}:vision", within(m, tol_c1), m, tol_c1))
@@ -95,7 +102,10 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
     eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
     template = denoise_request(cfg, 50)
     prog = eng.reason_then_generate(reqs[0], template)
-    out = prog.result()
+    try:
+        out = prog.result()
+    except RuntimeError as e:  # a failed engine request
+        return checks + [CheckResult(f"{prefix}/ar/reason_then_generate", False, detail=str(e))]
     want_gen = generate(reference, replace(template, text_ids=out["reasoning"]["text_ids"])).vision
     m = compare(out["generation"]["latents"]["vision"], want_gen)
     checks.append(CheckResult(f"{prefix}/ar/reason_then_generate:vision", within(m, tol_c1), m, tol_c1,
