@@ -1,7 +1,7 @@
 """`fvparity`: run the parity ladder for a model family, list what exists, check upstream goldens.
 
 Exit codes: 0 every check passed; 1 a parity check failed; 2 usage or setup error, or a level that is
-not implemented for the family (never a silent pass).
+not implemented for the family (never a silent pass); 3 an internal error of the harness itself.
 """
 
 from __future__ import annotations
@@ -134,6 +134,8 @@ def golden_cmd(case_dirs, side, json_path) -> None:
 
 
 def main() -> None:
+    import os
+
     try:
         cli(standalone_mode=False)
     except click.exceptions.Abort:
@@ -144,6 +146,15 @@ def main() -> None:
         sys.exit(2)
     except SystemExit:
         raise
+    except KeyboardInterrupt:
+        click.echo("fvparity: interrupted", err=True)
+        sys.exit(130)
+    except Exception as e:  # a harness bug: one line unless asked for the traceback
+        if os.environ.get("FVPARITY_DEBUG"):
+            raise
+        click.echo(f"fvparity: internal error: {type(e).__name__}: {e} (set FVPARITY_DEBUG=1 for the traceback)",
+                   err=True)
+        sys.exit(3)
     sys.exit(0)
 
 
