@@ -296,13 +296,10 @@ def golden_inputs(case) -> Cosmos3ForwardInputs:
 
 
 def golden_transformer_probe(case, sides) -> list[CheckResult]:
-    from converters import ConversionError, convert_diffusers_dir_to_canonical_state_dict
+    from converters import ConversionError, convert_to_state_dict
 
-    if case.meta.get("upstream_format") != "diffusers":
-        raise SetupError(f"golden case {case.path}: upstream_format {case.meta.get('upstream_format')!r} "
-                         f"is not supported by probe cosmos3.transformer (diffusers)")
-    try:
-        cfg, state = convert_diffusers_dir_to_canonical_state_dict(case.path / "upstream")
+    try:  # any upstream format fvconvert knows (diffusers, diffusers-raw, framework, ...)
+        cfg, state = convert_to_state_dict("cosmos3", case.meta["upstream_format"], case.path / "upstream")
         inp = golden_inputs(case).validate(cfg)
     except (ConversionError, ManifestError) as e:
         raise SetupError(f"golden case {case.path}: {e}") from None
