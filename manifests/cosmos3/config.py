@@ -6,7 +6,6 @@ Upstream accepts inconsistent configs and silently truncates (mRoPE sections, pa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from manifests.errors import ManifestError
+from manifests.serialise import config_from_dict, config_to_dict
 
 VARIANTS_DIR = Path(__file__).parent / "variants"
 HIDDEN_ACTS = ("silu", "relu2")
@@ -109,24 +109,11 @@ class Cosmos3Config:
 
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["rope_axes_dim"] = list(self.rope_axes_dim)
-        return d
+        return config_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Cosmos3Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ManifestError(f"cosmos3 config: unknown keys {unknown}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and f.name not in d)
-        if missing:
-            raise ManifestError(f"cosmos3 config: missing keys {missing}")
-        d = dict(d)
-        if "rope_axes_dim" in d:
-            d["rope_axes_dim"] = tuple(d["rope_axes_dim"])
-        return cls(**d).validate()
+        return config_from_dict(cls, d, "cosmos3")
 
     @classmethod
     def from_diffusers_config(cls, c: dict[str, Any]) -> "Cosmos3Config":

@@ -11,7 +11,6 @@ Field names follow diffusers' `AutoencoderKLWan` config (they are already clear)
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from manifests.errors import ManifestError
+from manifests.serialise import config_from_dict, config_to_dict
 
 VARIANTS_DIR = Path(__file__).parent / "variants"
 
@@ -130,26 +130,11 @@ class WanVAEConfig:
 
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("latents_mean", "latents_std", "dim_mult", "temporal_downsample"):
-            d[k] = list(d[k])
-        return d
+        return config_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WanVAEConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ManifestError(f"wan VAE config: unknown keys {unknown}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and f.name not in d)
-        if missing:
-            raise ManifestError(f"wan VAE config: missing keys {missing}")
-        d = dict(d)
-        for k in ("latents_mean", "latents_std", "dim_mult", "temporal_downsample"):
-            if k in d:
-                d[k] = tuple(d[k])
-        return cls(**d).validate()
+        return config_from_dict(cls, d, "wan VAE")
 
     @classmethod
     def from_diffusers_config(cls, c: dict[str, Any]) -> "WanVAEConfig":

@@ -18,7 +18,6 @@ dim but 0 (for a ConvTranspose1d, dim 0 is the *input* channel: upstream quirk k
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from manifests.errors import ManifestError
+from manifests.serialise import config_from_dict, config_to_dict
 
 VARIANTS_DIR = Path(__file__).parent / "variants"
 DILATIONS = (1, 3, 9)
@@ -95,19 +95,11 @@ class Cosmos3SoundConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("dec_c_mults", "dec_strides", "enc_c_mults", "enc_strides"):
-            d[k] = list(d[k])
-        return d
+        return config_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Cosmos3SoundConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ManifestError(f"cosmos3 sound config: unknown keys {unknown}")
-        d = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
-        return cls(**d).validate()
+        return config_from_dict(cls, d, "cosmos3 sound")
 
     @classmethod
     def from_diffusers_config(cls, c: dict[str, Any]) -> "Cosmos3SoundConfig":
