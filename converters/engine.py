@@ -336,8 +336,9 @@ def plan_conversion(family: Family, manifest: CheckpointManifest, cfg: Any, info
             raise ConversionError(f"{infos[key].file}: keys {other!r} and {key!r} both map to canonical key {target!r} "
                                   f"(two sources onto one target)")
 
+    fields = family.config_to_dict(cfg)       # what `let` / `where` expressions of the rules may read
     for nk, key in norm.items():
-        rule, targets = manifest.rule_for(nk)
+        rule, targets = manifest.rule_for(nk, fields)
         if rule is None:
             unexpected.append(key)
         elif rule.op == "drop":

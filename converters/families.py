@@ -182,7 +182,32 @@ def _seedvr2() -> Family:  # the SeedVR2 NaDiT (3B dit_v2 / 7B dit); manifests/s
                   layer_key=re.compile(r"^blocks\.(\d+)\."), num_layers_field="num_layers")
 
 
-_FACTORIES: dict[str, Callable[[], Family]] = {"cosmos3": _cosmos3, "seedvr2": _seedvr2}
+def wan_vae_from_config(c: dict) -> Any:
+    """A Wan VAE config.json -> WanVAEConfig: a diffusers `AutoencoderKLWan` config (it has `_class_name` or
+    diffusers' `temperal_downsample` spelling), else our own canonical config (WanVAEConfig.to_dict)."""
+    from manifests.wan.config import WanVAEConfig
+
+    cls_name = c.get("_class_name")
+    if cls_name is not None and cls_name != "AutoencoderKLWan":
+        raise ValueError(f"_class_name is {cls_name!r}, not the AutoencoderKLWan config a Wan VAE needs")
+    if cls_name is not None or "temperal_downsample" in c:
+        return WanVAEConfig.from_diffusers_config(c)
+    return WanVAEConfig.from_dict({k: v for k, v in c.items() if k != "description"})
+
+
+def _wan() -> Family:  # the Wan 2.1 / 2.2 VAE (diffusers AutoencoderKLWan names); manifests/wan/checkpoints/
+    from manifests.wan import config as wc
+    from manifests.wan import keys as wk
+
+    return Family(name="wan", checkpoints_dir=Path(wc.__file__).parent / "checkpoints",
+                  config_from_dict=wc.WanVAEConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
+                  key_shapes=wk.canonical_key_shapes, fp32_keys=lambda cfg: [], load_variant=wc.load_variant,
+                  list_variants=wc.list_variants, config_mappings={"wan_vae_config": wan_vae_from_config},
+                  # a VAE has no truncatable layer list: a pattern that never matches (num_res_blocks is only read)
+                  layer_key=re.compile(r"(?!)"), num_layers_field="num_res_blocks")
+
+
+_FACTORIES: dict[str, Callable[[], Family]] = {"cosmos3": _cosmos3, "seedvr2": _seedvr2, "wan": _wan}
 _CACHE: dict[str, Family] = {}
 
 

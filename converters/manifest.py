@@ -34,7 +34,13 @@ A manifest is a JSON file `manifests/<family>/checkpoints/<format>.json` (one pe
                                 not canonical; dropped (reason reported) unless --keep-sidecars, then written
                                 to OUT/<sidecar>/ under the `to` key
                        every rule may carry "name" and "note". Regexes are anchored (^...$), so a rule never
-                       matches a key that merely contains it (suffix-exact); a key no rule matches is an error
+                       matches a key that merely contains it (suffix-exact); a key no rule matches is an error.
+                       Index arithmetic (converters/exprs.py), on any rule:
+                         "where": "g1 % (num_res_blocks + 2) == num_res_blocks + 1"   the rule matches only when
+                                the regex matches and this holds (gN = group N as an int; other names are
+                                config fields, e.g. num_res_blocks)
+                         "let": {"stage": "g1 // (num_res_blocks + 2)"}   integers substituted into `to` as
+                                {stage} (only in rules that have a `let`; others keep `{` literal)
     fills              optional list of the family's canonical parts this format fills (default: all);
                        a format filling fewer makes a *partial* canonical checkpoint (parts recorded in OUT)
     dtype_policy       {"default": "source", "keep_fp32": [regex on canonical keys],
@@ -55,9 +61,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from converters.errors import ConversionError
+from converters.exprs import Expr, ExprError, Unresolved, group_env
 
 SCHEMA = "fvconvert.checkpoint_manifest/2"
 SCHEMAS = ("fvconvert.checkpoint_manifest/1", SCHEMA)
@@ -70,20 +77,22 @@ PARITY_LEVELS = ("C0", "C1", "C2", "C3", "C4")
 _TOP_FIELDS = {"schema", "family", "format", "description", "conversion_version", "upstream", "files",
                "config_mapping", "normalize", "rules", "fills", "dtype_policy", "parity"}
 _UPSTREAM_FIELDS = {"source", "package", "version", "revision", "url", "note", "class_name", "model_types"}
-_COMMON = {"op", "match", "name", "note"}
+_COMMON = {"op", "match", "name", "note", "where"}
 _RULE_FIELDS = {
-    "rename": _COMMON | {"to"},
-    "transpose": _COMMON | {"to", "dims"},
-    "reshape": _COMMON | {"to"},
-    "split": _COMMON | {"to", "dim"},
-    "fuse": _COMMON | {"to", "dim", "part", "parts"},
+    "rename": _COMMON | {"to", "let"},
+    "transpose": _COMMON | {"to", "dims", "let"},
+    "reshape": _COMMON | {"to", "let"},
+    "split": _COMMON | {"to", "dim", "let"},
+    "fuse": _COMMON | {"to", "dim", "part", "parts", "let"},
     "drop": _COMMON | {"reason"},
-    "sidecar": _COMMON | {"to", "sidecar", "reason"},
+    "sidecar": _COMMON | {"to", "sidecar", "reason", "let"},
 }
 _GROUP_REF = re.compile(r"\\(\d+)|\\g<([^>]*)>")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SIDECAR_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _COMPONENT = re.compile(r"^[A-Za-z0-9_\-]+$")
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_GROUP_NAME = re.compile(r"^g(\d+)$")
 
 
 def _templates(to: Any) -> list[str]:
@@ -103,13 +112,84 @@ class Rule:
     part: str | None = None
     parts: tuple[str, ...] | None = None
     sidecar: str | None = None
+    let: tuple[tuple[str, str], ...] | None = None   # ordered (name, expression): computed template values
+    where: str | None = None                         # guard expression
     pattern: re.Pattern = field(init=False, repr=False, compare=False)
+    _exprs: tuple = field(init=False, repr=False, compare=False)    # ((name, Expr), ...), where Expr | None
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "pattern", re.compile(self.match))
         except (re.error, TypeError) as e:
             raise ValueError(f"regex {self.match!r} does not compile ({e})") from None
+        if isinstance(self.let, dict):
+            object.__setattr__(self, "let", tuple(self.let.items()))
+        lets: list = []
+        if self.let is not None:
+            if not isinstance(self.let, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in self.let):
+                raise ValueError("'let' must be an object {name: expression}")
+            for name, src in self.let:
+                if not isinstance(name, str) or not name.isidentifier() or _GROUP_NAME.match(name) \
+                        or name in self.pattern.groupindex:
+                    raise ValueError(f"'let' name {name!r} must be an identifier other than gN and the regex's "
+                                     f"group names")
+                lets.append((name, Expr(src)))
+        where = Expr(self.where) if self.where is not None else None
+        object.__setattr__(self, "_exprs", (tuple(lets), where))
+
+    # ---- index arithmetic (converters/exprs.py) ----
+    @property
+    def computes(self) -> bool:
+        return self.let is not None or self.where is not None
+
+    def expr_names(self) -> set[str]:
+        """Config field names the rule's expressions read (everything that is not a group or a let name)."""
+        lets, where = self._exprs
+        own = {n for n, _ in lets} | set(self.pattern.groupindex)
+        names = set().union(*(e.names for _, e in lets), where.names if where else set())
+        return {n for n in names if n not in own and not _GROUP_NAME.match(n)}
+
+    def _evaluate(self, m: re.Match, key: str, config) -> tuple[bool, dict[str, str]]:
+        """(guard holds, {let name: value as text}). Without a config (format guessing only) a guard that needs
+        one counts as holding and a value that needs one stays `{name}`."""
+        lets, where = self._exprs
+        groups = group_env(m, key)
+        env = {**(config or {}), **groups}
+
+        def run(e: Expr):
+            for n in e.names:
+                gm = _GROUP_NAME.match(n)
+                if (gm or n in self.pattern.groupindex) and n not in groups:
+                    if gm and int(gm.group(1)) > self.pattern.groups:
+                        raise ExprError(f"{n}: the regex has only {self.pattern.groups} groups")
+                    raise ExprError(f"{n}: group is {(m.group(int(gm.group(1))) if gm else m.group(n))!r}, "
+                                    f"not a decimal integer")
+            return e.eval(env)
+
+        try:
+            if where is not None:
+                try:
+                    if not run(where):
+                        return False, {}
+                except Unresolved:
+                    if config is not None:
+                        raise
+            values: dict[str, str] = {}
+            for name, e in lets:
+                try:
+                    v = run(e)
+                except Unresolved:
+                    if config is not None:
+                        raise
+                    continue
+                env[name] = int(v)
+                values[name] = str(int(v))
+            return True, values
+        except Unresolved as u:
+            raise ConversionError(f"rule {self.label!r}: key {key!r}: expression needs {u.args[0]!r}, which is "
+                                  f"neither a regex group nor a field of the config") from None
+        except (ExprError, TypeError) as e:
+            raise ConversionError(f"rule {self.label!r}: key {key!r}: {e}") from None
 
     @property
     def label(self) -> str:
@@ -119,32 +199,43 @@ class Rule:
     def produces(self) -> bool:
         return self.op in PRODUCING_OPS
 
-    def expand(self, key: str) -> tuple[str, ...] | None:
-        """Targets for a key this rule fully matches (one, or several for split; () for drop), else None."""
+    def expand(self, key: str, config: Mapping[str, Any] | None = None) -> tuple[str, ...] | None:
+        """Targets for a key this rule fully matches (one, or several for split; () for drop), else None.
+        `config`: the family config fields (a dict) that `let` / `where` expressions may read."""
         m = self.pattern.fullmatch(key)
         if m is None:
             return None
+        values: dict[str, str] = {}
+        if self.computes:
+            ok, values = self._evaluate(m, key, config)
+            if not ok:
+                return None
         if self.op == "drop":
             return ()
-        return tuple(m.expand(t) for t in _templates(self.to))
+        out = tuple(m.expand(t) for t in _templates(self.to))
+        if self.let is not None:
+            out = tuple(_PLACEHOLDER.sub(lambda p: values.get(p.group(1), p.group(0)), t) for t in out)
+        return out
 
     def part_of(self, key: str) -> str:
         """fuse: which of `parts` this key is."""
         return self.pattern.fullmatch(key).expand(self.part)
 
-    def apply(self, key: str) -> str | None:
+    def apply(self, key: str, config: Mapping[str, Any] | None = None) -> str | None:
         """Back-compatible single-target view: the (first) target, '' for drops, None when no match."""
-        t = self.expand(key)
+        t = self.expand(key, config)
         if t is None:
             return None
         return t[0] if t else ""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"op": self.op, "match": self.match}
-        for k in ("to", "dims", "dim", "part", "parts", "sidecar", "reason", "name", "note"):
+        for k in ("to", "dims", "dim", "part", "parts", "sidecar", "reason", "name", "note", "where"):
             v = getattr(self, k)
             if v is not None:
                 d[k] = list(v) if isinstance(v, tuple) else v
+        if self.let is not None:
+            d["let"] = dict(self.let)
         return d
 
 
@@ -275,18 +366,20 @@ class CheckpointManifest:
             key = n.apply(key)
         return key
 
-    def rule_for(self, key: str) -> tuple[Rule | None, tuple[str, ...]]:
-        """(first matching rule, its targets) for a normalised key; (None, ()) when no rule matches."""
+    def rule_for(self, key: str, config: Mapping[str, Any] | None = None) -> tuple[Rule | None, tuple[str, ...]]:
+        """(first matching rule, its targets) for a normalised key; (None, ()) when no rule matches. `config`
+        (the family config as a dict) feeds rules with `let` / `where`; without it such rules match on their
+        regex alone and leave config-dependent values unresolved (good for guessing a format, not converting)."""
         for rule in self.rules:
-            t = rule.expand(key)
+            t = rule.expand(key, config)
             if t is not None:
                 return rule, t
         return None, ()
 
-    def match(self, key: str) -> tuple[Rule | None, str | None]:
+    def match(self, key: str, config: Mapping[str, Any] | None = None) -> tuple[Rule | None, str | None]:
         """(rule, target) for a source key (normalised first): first matching rule wins; target is None for
         drops, sidecars and misses; for a split, the first target."""
-        rule, targets = self.rule_for(self.normalize_key(key))
+        rule, targets = self.rule_for(self.normalize_key(key), config)
         if rule is None or not rule.produces:
             return rule, None
         return rule, targets[0]
@@ -363,6 +456,24 @@ class CheckpointManifest:
                     ref = m.group(1) if m.group(1) is not None else m.group(2)
                     ok = (int(ref) <= r.pattern.groups) if ref.isdigit() else (ref in r.pattern.groupindex)
                     need(ok, f"{rw}: 'to' {t!r} refers to group {ref!r}, which {r.match!r} does not define")
+                if r.let is not None:
+                    lets = {n for n, _ in r.let}
+                    for p in _PLACEHOLDER.finditer(t):
+                        need(p.group(1) in lets, f"{rw}: 'to' {t!r} uses {{{p.group(1)}}}, which 'let' does not define")
+                    need("{" not in _PLACEHOLDER.sub("", t) and "}" not in _PLACEHOLDER.sub("", t),
+                         f"{rw}: 'to' {t!r} has a brace that is not a {{let name}} placeholder")
+            if r.computes:
+                lets, guard = r._exprs
+                all_lets = {n for n, _ in lets}
+                for i, (name, e) in enumerate(lets + ((("where", guard),) if guard else ())):
+                    for n in e.names:
+                        gm = _GROUP_NAME.match(n)
+                        need(not gm or 1 <= int(gm.group(1)) <= r.pattern.groups,
+                             f"{rw}: expression {e.source!r} reads {n}, but {r.match!r} has {r.pattern.groups} groups")
+                        need(name == "where" or n not in all_lets or n in {x for x, _ in lets[:i]},
+                             f"{rw}: let {name!r} reads {n!r}, which is not defined before it")
+                        need(name != "where" or n not in all_lets,
+                             f"{rw}: 'where' reads let value {n!r}; a guard reads groups and config fields only")
             if r.op in ("split", "fuse"):
                 need(is_int(r.dim) and r.dim >= 0, f"{rw}: a {r.op} rule needs 'dim', an int >= 0")
             else:
@@ -493,6 +604,9 @@ class CheckpointManifest:
             for k in ("to", "dims", "parts"):
                 if isinstance(kw.get(k), list):
                     kw[k] = tuple(kw[k])
+            if "let" in kw and not isinstance(kw["let"], dict):
+                raise ConversionError(f"{where}: rules[{i}] ({r.get('name') or r['match']}): 'let' must be an object "
+                                      f"{{name: expression}}")
             try:
                 rules.append(Rule(**kw))
             except ValueError as e:
@@ -554,6 +668,14 @@ def check_against_family(m: CheckpointManifest, family) -> CheckpointManifest:
                                   f"{family.name} parts: {', '.join(family.part_names)}")
     if m.family != family.name:
         raise ConversionError(f"checkpoint manifest {m.origin}: declares family {m.family!r}, not {family.name!r}")
+    computing = [r for r in m.rules if r.computes]
+    if computing and family.list_variants():
+        fields = set(family.config_to_dict(family.load_variant(family.list_variants()[0])))
+        for r in computing:
+            bad = sorted(r.expr_names() - fields)
+            if bad:
+                raise ConversionError(f"checkpoint manifest {m.origin}: rule {r.label!r}: expression reads {bad}, "
+                                      f"which are not {family.name} config fields (nor regex groups or let names)")
     return m
 
 

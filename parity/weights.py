@@ -22,6 +22,6 @@ def random_state_dict(key_shapes: dict[str, tuple[int, ...]], seed: int) -> dict
         elif name.startswith(("action_in.", "action_out.")):
             x = 0.1 * x                    # per-domain rows [in*out] and biases [out]
         else:
-            x = x / math.sqrt(shape[-1])   # fan-in scaling keeps activations O(1)
+            x = x / math.sqrt(math.prod(shape[1:]))  # fan-in (in x kernel for convs) keeps activations O(1)
         out[name] = x
     return out

@@ -607,7 +607,7 @@ def test_cli_convert_and_inspect(tmp_path, capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["cosmos3", "SRC", "OUT"], "--from"),
     (["cosmos3", "--from", "diffusers", "SRC"], "OUT"),
-    (["wan", "--from", "diffusers", "a", "b"], "No such command"),
+    (["hunyuan", "--from", "diffusers", "a", "b"], "No such command"),
     (["cosmos3", "--from", "diffusers", "SRC", "OUT", "--dtype", "int4"], "int4"),
     (["cosmos3", "--from", "diffusers", "SRC", "OUT", "--max-shard-size", "lots"], "lots"),
     (["cosmos3", "--from", "diffusers", "SRC", "OUT", "--variant", "giant"], "unknown variant 'giant'"),

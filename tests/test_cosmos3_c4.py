@@ -51,7 +51,7 @@ def test_fault_inverted_latents_std_fails_frames_only_and_names_the_decode():
     assert set(failed) == {f"tiny/fp32/{k}/{a}" for k in ("t2v", "i2v", "t2v_sound") for a in ("frames", "png_frames")}
     for k in ("t2v", "i2v", "t2v_sound"):
         c = failed[f"tiny/fp32/{k}/frames"]
-        assert c.divergence == "vae decode (final vision latents agree)"
+        assert c.divergence.startswith("vae decode (final vision latents agree); SSIM min 0.")
         assert c.extra["ssim_min"] < 0.9
 
 
@@ -59,7 +59,7 @@ def test_fault_swapped_stereo_fails_audio_only():
     r = _run("swapped-stereo")
     failed = {c.name: c for c in r.checks if not c.passed}
     assert set(failed) == {"tiny/fp32/t2v_sound/audio", "tiny/fp32/t2v_sound/wav"}
-    assert failed["tiny/fp32/t2v_sound/audio"].divergence == "sound decode (final sound latents agree)"
+    assert failed["tiny/fp32/t2v_sound/audio"].divergence.startswith("sound decode (final sound latents agree); SNR ")
     assert float(failed["tiny/fp32/t2v_sound/audio"].extra["snr_db"]) < 10
 
 
@@ -141,7 +141,8 @@ def test_golden_pipeline_both_sides(case):
     assert results and all(r.passed for r in results), [(r.name, r.metrics, r.detail) for r in results if not r.passed]
     names = {r.name for r in results}
     for side in ("reference", "optimized"):
-        assert {f"{case.name}/{side}:{k}" for k in ("frames", "vision", "vision_trajectory", "model_timesteps")} <= names
+        want = ("frames", "vision", "vision_trajectory", "model_timesteps")
+        assert {f"{case.name}/{side}:{k}" for k in want} <= names
         if "audio" in c.outputs:
             assert f"{case.name}/{side}:audio" in names
         if "image" in c.inputs:

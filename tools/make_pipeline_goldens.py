@@ -5,7 +5,7 @@ One golden case = one end-to-end run of diffusers' ``Cosmos3OmniPipeline(..., ou
 (CPU, fp32, one thread) with explicit noise and explicit token ids, keeping every component whose weights reach the
 outputs:
 
-  * ``upstream/``: a tiny ``Cosmos3OmniTransformer`` (C 48, p 2, P 192), weights from ``make_goldens.randomize_weights``;
+  * ``upstream/``: a tiny ``Cosmos3OmniTransformer`` (C 48, p 2, P 192), weights ``make_goldens.randomize_weights``;
   * ``upstream_vae/``: a tiny ``AutoencoderKLWan`` with the Wan2.2 geometry (z 48, patch 2, residual, 16x / 4x) and
     non-trivial ``latents_mean`` / ``latents_std``, weights from ``make_vae_goldens.randomize_weights``. It decodes the
     final latents (after ``z / inv_std + mean``) and, in the i2v case, encodes the conditioning clip;
@@ -298,7 +298,8 @@ def build_case(name: str, spec: dict[str, Any], out_root: Path) -> Path:
     v = out["video"]
     print(f"{name}: video {list(v.shape)} mean {v.mean():.3f} std {v.std():.3f} "
           f"clamped {(v == 0).float().mean() + (v == 1).float().mean():.1%}"
-          + (f"; audio {list(out['audio'].shape)} rms {out['audio'].pow(2).mean().sqrt():.3f}" if "audio" in out else "")
+          + (f"; audio {list(out['audio'].shape)} rms {out['audio'].pow(2).mean().sqrt():.3f}"
+             if "audio" in out else "")
           + f"; t={out['timesteps'].tolist()}; {size / 1024:.0f} KiB -> {case_dir}")
     return case_dir
 

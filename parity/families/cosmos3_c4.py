@@ -417,7 +417,8 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
     c.extra = {k: v if not (isinstance(v, float) and math.isinf(v)) else str(v) for k, v in sim.items()}
     if not ok:
         c.divergence = ("vae decode (final vision latents agree)" if lat_ok.get("vision")
-                        else "denoise loop (final vision latents differ)")
+                        else "denoise loop (final vision latents differ)") + \
+            f"; SSIM min {sim['ssim_min']:.4f}, PSNR {_fmt_db(sim['psnr_db'])} dB"
     checks.append(c)
     progress(f"[cosmos3 C4] {prefix}: frames SSIM min {sim['ssim_min']:.6f}, PSNR {_fmt_db(sim['psnr_db'])} dB")
 
@@ -433,7 +434,7 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
             c.extra = {"snr_db": snr if math.isfinite(snr) else str(snr)}
             if not ok:
                 c.divergence = ("sound decode (final sound latents agree)" if lat_ok.get("sound")
-                                else "denoise loop (final sound latents differ)")
+                                else "denoise loop (final sound latents differ)") + f"; SNR {_fmt_db(snr)} dB"
             checks.append(c)
             progress(f"[cosmos3 C4] {prefix}: audio SNR {_fmt_db(snr)} dB")
 
@@ -462,7 +463,8 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
         pa, pb = files["reference"]["pcm"], files["optimized"]["pcm"]
         snr = snr_db(torch.from_numpy(pa.astype(np.float64)), torch.from_numpy(pb.astype(np.float64)))
         ok = snr >= bounds["min_snr_db"]
-        c = CheckResult(f"{prefix}/wav", ok, None, AudioBound(bounds["min_snr_db"]), divergence=None if ok else "see audio",
+        c = CheckResult(f"{prefix}/wav", ok, None, AudioBound(bounds["min_snr_db"]),
+                        divergence=None if ok else "see audio",
                         detail=f"16-bit WAV read-back: SNR {_fmt_db(snr)} dB, {pa.shape[0]} channels x {pa.shape[1]}")
         c.extra = {"snr_db": snr if math.isfinite(snr) else str(snr)}
         checks.append(c)

@@ -117,12 +117,25 @@ def _component_checks(prefix: str, ref_records: dict, opt_records: dict, tol) ->
 # ------------------------------------------------------------------------------------------------
 
 def _resolve(variants: list[str], checkpoint: str | None, seed: int):
-    if checkpoint is not None:
-        raise SetupError("wan C0: --checkpoint is not supported yet (fvconvert has no wan format); "
-                         "use the built-in variants")
+    """(name, config, canonical state dict) per model to check: the variants with seeded random weights, or the
+    one canonical checkpoint `fvconvert wan` wrote (each named variant must then equal its config)."""
     try:
-        return [(v, cfg, random_state_dict(canonical_key_shapes(cfg), seed))
-                for v in (variants or DEFAULT_VARIANTS) for cfg in [load_variant(v)]]
+        if checkpoint is None:
+            return [(v, cfg, random_state_dict(canonical_key_shapes(cfg), seed))
+                    for v in (variants or DEFAULT_VARIANTS) for cfg in [load_variant(v)]]
+        from converters import ConversionError, load_canonical
+        from converters.canonical import read_resolved_manifest
+        try:
+            recorded = (read_resolved_manifest(checkpoint) or {}).get("family", "wan")
+            if recorded != "wan":
+                raise SetupError(f"checkpoint {checkpoint} is a {recorded} checkpoint, not a wan VAE")
+            cfg, state = load_canonical(checkpoint, family="wan")
+        except ConversionError as e:
+            raise SetupError(str(e)) from None
+        for v in variants:
+            if load_variant(v) != cfg:
+                raise SetupError(f"checkpoint {checkpoint} does not have the architecture of variant {v!r}")
+        return [("checkpoint", cfg, {k: t.float() for k, t in state.items()})]
     except ManifestError as e:
         raise SetupError(str(e)) from None
 
@@ -135,7 +148,7 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
         raise SetupError("--device cuda requested but CUDA is not available")
     contract = load_parity_contract("wan")
     report = Report("wan", "C0", {"variants": variants or list(DEFAULT_VARIANTS), "device": device, "dtypes": dtypes,
-                                  "seed": seed, "fault": fault})
+                                  "seed": seed, "checkpoint": checkpoint, "fault": fault})
     for vname, cfg, state in _resolve(variants, checkpoint, seed):
         big = not vname.startswith("tiny")
         for dname in dtypes:
@@ -239,6 +252,17 @@ def golden_encode_probe(case, sides) -> list[CheckResult]:
         for name, got in (("posterior_mean", post.mean), ("posterior_std", post.std), ("posterior_sample", sample)):
             results.append(check(f"{case.name}/{side}:{name}", got, case.outputs[name], tol))
     return results
+
+
+def check_converted(out_dir) -> dict:
+    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted wan VAE weights, before the output is committed."""
+    try:
+        report = run_c0([], str(out_dir), "cpu", ["fp32"], 0, None, progress=lambda msg: None)
+    except SetupError as e:
+        return {"status": "error", "level": "C0", "detail": str(e)}
+    failed = [c.name for c in report.checks if not c.passed]
+    return {"status": "pass" if report.passed else "fail", "level": "C0", "dtype": "float32", "device": "cpu",
+            "checks": len(report.checks), "failed": failed}
 
 
 PROBES = {"wan.vae_encode": golden_encode_probe, "wan.vae_decode": golden_decode_probe}
