@@ -64,12 +64,12 @@ def load_case(path: Path) -> GoldenCase:
 
 def run_golden_cases(paths: list[Path], sides: tuple[str, ...], progress: Callable[[str], None]) -> Report:
     from parity import vae_checks
-    from parity.families import cosmos3, cosmos3_ar, cosmos3_c1, wan
+    from parity.families import cosmos3, cosmos3_ar, cosmos3_c1, cosmos3_c4, wan
 
     probes = {"cosmos3.transformer": cosmos3.golden_transformer_probe,
               "cosmos3.generate": cosmos3_c1.golden_generate_probe,
               "cosmos3.reason": cosmos3_ar.golden_reason_probe,
-              **wan.PROBES, **vae_checks.PROBES}
+              **cosmos3_c4.PROBES, **wan.PROBES, **vae_checks.PROBES}
     cases = [load_case(p) for p in paths]  # validate every case before running any
     for c in cases:
         if c.meta["probe"] not in probes:

@@ -342,4 +342,9 @@ def _run_c1(*args, **kw) -> Report:
     return run_c1(*args, **kw)
 
 
-LEVELS = {"C0": run_c0, "C1": _run_c1}
+def _run_c4(*args, **kw) -> Report:
+    from parity.families.cosmos3_c4 import run_c4
+    return run_c4(*args, **kw)
+
+
+LEVELS = {"C0": run_c0, "C1": _run_c1, "C4": _run_c4}
