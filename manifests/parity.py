@@ -10,7 +10,7 @@ from pathlib import Path
 from manifests.errors import ManifestError
 
 LEVELS = ("C0", "C1", "C2", "C3", "C4")
-METRICS = ("rel_l2", "max_abs", "min_cosine", "min_ssim", "min_psnr", "alpha")
+METRICS = ("rel_l2", "max_abs", "min_cosine", "min_ssim", "min_psnr", "min_snr_db", "alpha")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Tolerance:
     min_cosine: float | None = None  # cosine(a, b) must be >= this
     min_ssim: float | None = None
     min_psnr: float | None = None
+    min_snr_db: float | None = None  # C4 audio: waveform SNR in dB must be >= this
     alpha: float | None = None       # C3: p-value must exceed alpha
 
     def validate(self, where: str) -> "Tolerance":

@@ -61,7 +61,7 @@ class Report:
                 (m.nonfinite_candidate + m.nonfinite_reference) if m else "-",
                 tol,
                 "PASS" if c.passed else "FAIL",
-                c.divergence or ("" if c.passed else c.detail),
+                c.divergence or c.detail,
             ])
         head = ["check", "rel_l2", "max_abs", "cosine", "nan/inf", "tolerance", "result", "first divergence / detail"]
         return tabulate(rows, headers=head, tablefmt="simple")

@@ -66,6 +66,8 @@ def test_fault_swapped_stereo_fails_audio_only():
 def test_setup_errors():
     with pytest.raises(SetupError, match="unknown C4 fault"):
         c4.run_c4([], None, "cpu", ["fp32"], 0, "no-such-fault", quiet)
+    with pytest.raises(SetupError, match="swapped-stereo needs sound"):
+        c4.run_c4(["tiny-edge"], None, "cpu", ["fp32"], 0, "swapped-stereo", quiet)
     with pytest.raises(SetupError, match="unknown variant"):
         c4.run_c4(["nope"], None, "cpu", ["fp32"], 0, None, quiet)
     cfg = c4.c4_transformer_config(load_variant("tiny"))

@@ -1,5 +1,6 @@
 """cosmos3 parity checks. C0: packing / position ids, one decoder layer, full forward (cases below, tiny and
-tiny-edge, fp32 and bf16), several requests batched in one optimized call, and the und-stream cache."""
+tiny-edge, fp32 and bf16), several requests batched in one optimized call, the und-stream cache, and the
+decoders (Wan2.2-geometry VAE, sound decoder). C1 / C4 live in cosmos3_c1.py / cosmos3_ar.py / cosmos3_c4.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import optimized.models.cosmos3 as opt
 import reference.cosmos3 as ref
 
 DEFAULT_VARIANTS = ("tiny", "tiny-edge")
-FAULTS = tuple(fault_lib.COSMOS3_FAULTS) + tuple(fault_lib.COSMOS3_C1_FAULTS)
+from parity.families.cosmos3_c4 import C4_FAULTS  # noqa: E402  (cosmos3_c4 imports this module lazily)
+
+FAULTS = tuple(fault_lib.COSMOS3_FAULTS) + tuple(fault_lib.COSMOS3_C1_FAULTS) + tuple(C4_FAULTS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -173,7 +176,24 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
             fast = load_optimized(cfg, state, device, dtype)
             with fault_lib.planted(fault, fast, cfg):
                 report.checks += c0_checks(vname, dname, cfg, reference, fast, tol, dtype, seed, progress)
+    if checkpoint is None and fault is None:  # cosmos3's decoders: the Wan2.2 VAE and the sound decoder
+        report.checks += decoder_checks(device, dtypes, seed, progress)
     return report
+
+
+def decoder_checks(device: str, dtypes: list[str], seed: int, progress) -> list[CheckResult]:
+    """C0 of cosmos3's video VAE (Wan2.2 geometry, tiny) and sound decoder, as their own families check them."""
+    from parity import vae_checks
+    from parity.families import wan
+
+    checks = []
+    for prefix, run in (("vae", lambda: wan.run_c0(["tiny-2.2"], None, device, dtypes, seed, None, progress)),
+                        ("sound", lambda: vae_checks.run_sound_c0(["tiny"], None, device, dtypes, seed, None,
+                                                                  progress))):
+        for c in run().checks:
+            c.name = f"{prefix}/{c.name}"
+            checks.append(c)
+    return checks
 
 
 def c0_checks(vname: str, dname: str, cfg: Cosmos3Config, reference, fast, tol, dtype, seed,
