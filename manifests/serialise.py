@@ -27,3 +27,22 @@ def config_from_dict(cls: type[C], d: dict[str, Any], what: str) -> C:
     if missing:
         raise ManifestError(f"{what} config: missing keys {missing}")
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}).validate()
+
+
+def read_json_object(path, what: str) -> dict[str, Any]:
+    """A JSON object from `path`, or one clear ManifestError (missing file, bad JSON, not an object)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{what} {path}: cannot read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{what} {path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{what} {path}: expected a JSON object")
+    return data

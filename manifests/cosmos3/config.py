@@ -6,14 +6,13 @@ Upstream accepts inconsistent configs and silently truncates (mRoPE sections, pa
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from manifests.errors import ManifestError
-from manifests.serialise import config_from_dict, config_to_dict
+from manifests.serialise import config_from_dict, config_to_dict, read_json_object
 
 VARIANTS_DIR = Path(__file__).parent / "variants"
 HIDDEN_ACTS = ("silu", "relu2")
@@ -159,21 +158,8 @@ def load_variant(name: str) -> Cosmos3Config:
     path = VARIANTS_DIR / f"{name}.json"
     if not path.is_file():
         raise ManifestError(f"cosmos3: unknown variant {name!r}; known variants: {', '.join(list_variants())}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"cosmos3 variant file {path}: invalid JSON ({e})") from None
-    return Cosmos3Config.from_dict(data)
+    return Cosmos3Config.from_dict(read_json_object(path, "cosmos3 variant file"))
 
 
 def load_config_file(path: str | Path) -> Cosmos3Config:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ManifestError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"config file {path}: invalid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ManifestError(f"config file {path}: expected a JSON object")
-    return Cosmos3Config.from_dict(data)
+    return Cosmos3Config.from_dict(read_json_object(path, "config file"))

@@ -11,14 +11,13 @@ Field names follow diffusers' `AutoencoderKLWan` config (they are already clear)
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from manifests.errors import ManifestError
-from manifests.serialise import config_from_dict, config_to_dict
+from manifests.serialise import config_from_dict, config_to_dict, read_json_object
 
 VARIANTS_DIR = Path(__file__).parent / "variants"
 
@@ -190,25 +189,14 @@ def load_variant(name: str) -> WanVAEConfig:
     path = VARIANTS_DIR / f"{name}.json"
     if not path.is_file():
         raise ManifestError(f"wan: unknown VAE variant {name!r}; known variants: {', '.join(list_variants())}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"wan variant file {path}: invalid JSON ({e})") from None
+    data = read_json_object(path, "wan variant file")
     data.pop("description", None)
     return WanVAEConfig.from_dict(data)
 
 
 def load_config_file(path: str | Path) -> WanVAEConfig:
     """Our own config JSON (as `to_dict` writes), or a diffusers `AutoencoderKLWan` config.json."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ManifestError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"config file {path}: invalid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ManifestError(f"config file {path}: expected a JSON object")
+    data = read_json_object(path, "config file")
     if "_class_name" in data or "temperal_downsample" in data:
         return WanVAEConfig.from_diffusers_config(data)
     data.pop("description", None)

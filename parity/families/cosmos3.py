@@ -18,8 +18,8 @@ from parity import faults as fault_lib
 from parity.errors import SetupError
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, exact, within
+from parity.checkpoints import models_to_check
 from parity.report import CheckResult, Report
-from parity.weights import random_state_dict
 
 import optimized.models.cosmos3 as opt
 import reference.cosmos3 as ref
@@ -139,23 +139,8 @@ def compare_predictions(name: str, got: Cosmos3Prediction, want: Cosmos3Predicti
 # ------------------------------------------------------------------------------------------------
 
 def _resolve_models(variants: list[str], checkpoint: str | None, seed: int):
-    """(name, config, canonical state dict) per model to check: the variants with seeded random weights, or
-    the one converted checkpoint."""
-    try:
-        if checkpoint is None:
-            return [(v, cfg, random_state_dict(canonical_key_shapes(cfg), seed))
-                    for v in (variants or DEFAULT_VARIANTS) for cfg in [load_variant(v)]]
-        from converters import ConversionError, load_canonical
-        try:
-            cfg, state = load_canonical(checkpoint)
-        except ConversionError as e:
-            raise SetupError(str(e)) from None
-        for v in variants:
-            if load_variant(v) != cfg:
-                raise SetupError(f"checkpoint {checkpoint} does not have the architecture of variant {v!r}")
-        return [("checkpoint", cfg, {k: t.float() for k, t in state.items()})]
-    except ManifestError as e:
-        raise SetupError(str(e)) from None
+    """(name, config, canonical state dict) per model to check."""
+    return models_to_check("cosmos3", variants, DEFAULT_VARIANTS, checkpoint, seed, load_variant, canonical_key_shapes)
 
 
 def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,

@@ -15,9 +15,9 @@ from manifests.parity import load_parity_contract
 from manifests.wan import WanVAEConfig, canonical_key_shapes, list_variants, load_variant
 from parity.errors import SetupError
 from parity.localise import first_divergence
+from parity.checkpoints import models_to_check
 from parity.report import CheckResult, Report
 from parity.vae_checks import DTYPE_NAMES, DTYPES, ChunkTrace, check, upstream_state
-from parity.weights import random_state_dict
 
 import optimized.models.wan as opt
 import reference.wan as ref
@@ -119,25 +119,7 @@ def _component_checks(prefix: str, ref_records: dict, opt_records: dict, tol) ->
 def _resolve(variants: list[str], checkpoint: str | None, seed: int):
     """(name, config, canonical state dict) per model to check: the variants with seeded random weights, or the
     one canonical checkpoint `fvconvert wan` wrote (each named variant must then equal its config)."""
-    try:
-        if checkpoint is None:
-            return [(v, cfg, random_state_dict(canonical_key_shapes(cfg), seed))
-                    for v in (variants or DEFAULT_VARIANTS) for cfg in [load_variant(v)]]
-        from converters import ConversionError, load_canonical
-        from converters.canonical import read_resolved_manifest
-        try:
-            recorded = (read_resolved_manifest(checkpoint) or {}).get("family", "wan")
-            if recorded != "wan":
-                raise SetupError(f"checkpoint {checkpoint} is a {recorded} checkpoint, not a wan VAE")
-            cfg, state = load_canonical(checkpoint, family="wan")
-        except ConversionError as e:
-            raise SetupError(str(e)) from None
-        for v in variants:
-            if load_variant(v) != cfg:
-                raise SetupError(f"checkpoint {checkpoint} does not have the architecture of variant {v!r}")
-        return [("checkpoint", cfg, {k: t.float() for k, t in state.items()})]
-    except ManifestError as e:
-        raise SetupError(str(e)) from None
+    return models_to_check("wan", variants, DEFAULT_VARIANTS, checkpoint, seed, load_variant, canonical_key_shapes)
 
 
 def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
