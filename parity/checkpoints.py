@@ -35,3 +35,15 @@ def models_to_check(family: str, variants: list[str], default_variants, checkpoi
         return [("checkpoint", cfg, {k: t.float() for k, t in state.items()})]
     except ManifestError as e:
         raise SetupError(str(e)) from None
+
+
+def c0_post_check(run_c0, out_dir) -> dict:
+    """fvconvert's post-check for a family: its C0 (fp32, CPU) on freshly converted weights, before the output
+    is committed. The dict goes into conversion_report.json under `parity`."""
+    try:
+        report = run_c0([], str(out_dir), "cpu", ["fp32"], 0, None, progress=lambda msg: None)
+    except SetupError as e:
+        return {"status": "error", "level": "C0", "detail": str(e)}
+    failed = [c.name for c in report.checks if not c.passed]
+    return {"status": "pass" if report.passed else "fail", "level": "C0", "dtype": "float32", "device": "cpu",
+            "checks": len(report.checks), "failed": failed}

@@ -18,7 +18,7 @@ from parity import faults as fault_lib
 from parity.errors import SetupError
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, exact, within
-from parity.checkpoints import models_to_check
+from parity.checkpoints import c0_post_check, models_to_check
 from parity.report import CheckResult, Report
 
 import optimized.models.cosmos3 as opt
@@ -332,14 +332,8 @@ def golden_transformer_probe(case, sides) -> list[CheckResult]:
 
 
 def check_converted(out_dir) -> dict:
-    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted weights, before the output is committed."""
-    try:
-        report = run_c0([], str(out_dir), "cpu", ["fp32"], 0, None, progress=lambda msg: None)
-    except SetupError as e:
-        return {"status": "error", "level": "C0", "detail": str(e)}
-    failed = [c.name for c in report.checks if not c.passed]
-    return {"status": "pass" if report.passed else "fail", "level": "C0", "dtype": "float32", "device": "cpu",
-            "checks": len(report.checks), "failed": failed}
+    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted weights."""
+    return c0_post_check(run_c0, out_dir)
 
 
 def _run_c1(*args, **kw) -> Report:

@@ -15,7 +15,7 @@ from manifests.parity import load_parity_contract
 from manifests.wan import WanVAEConfig, canonical_key_shapes, list_variants, load_variant
 from parity.errors import SetupError
 from parity.localise import first_divergence
-from parity.checkpoints import models_to_check
+from parity.checkpoints import c0_post_check, models_to_check
 from parity.report import CheckResult, Report
 from parity.vae_checks import DTYPE_NAMES, DTYPES, ChunkTrace, check, upstream_state
 
@@ -237,14 +237,8 @@ def golden_encode_probe(case, sides) -> list[CheckResult]:
 
 
 def check_converted(out_dir) -> dict:
-    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted wan VAE weights, before the output is committed."""
-    try:
-        report = run_c0([], str(out_dir), "cpu", ["fp32"], 0, None, progress=lambda msg: None)
-    except SetupError as e:
-        return {"status": "error", "level": "C0", "detail": str(e)}
-    failed = [c.name for c in report.checks if not c.passed]
-    return {"status": "pass" if report.passed else "fail", "level": "C0", "dtype": "float32", "device": "cpu",
-            "checks": len(report.checks), "failed": failed}
+    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted wan VAE weights."""
+    return c0_post_check(run_c0, out_dir)
 
 
 PROBES = {"wan.vae_encode": golden_encode_probe, "wan.vae_decode": golden_decode_probe}
