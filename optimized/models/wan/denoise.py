@@ -1,0 +1,271 @@
+"""Wan denoising as a LoopKernel: the runtime owns the loop, this file owns one step.
+
+Semantics are diffusers 0.42.1 `WanPipeline` / `WanImageToVideoPipeline` (output_type="latent"). One step for a
+batch of requests that share (expert, latent shape, text length, dtype, CFG policy), at any mix of step indices,
+seeds, guidance scales and solvers: build each request's DiT input, run cond (and uncond) through the CFG policy as
+one or two batched forwards, combine in the model's output dtype, advance each request's own solver state.
+
+    t2v    DiT input = latents; timestep [B] (int64 for UniPC, fp32 for Euler)
+    i2v    DiT input = [latents, 4-channel first-frame mask, normalised VAE latents of [image, zeros...]]
+    ti2v   (expand_timesteps) per-token timesteps from a first-frame mask; with an image, latent frame 0 is the
+           normalised VAE latent of the image (in the DiT input every step and in the result)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Sequence
+
+import torch
+
+from manifests.solvers import FlowMatchEulerConfig, UniPCConfig
+from manifests.wan import WanGenerateRequest, WanModelConfig
+from manifests.wan.dit import dit_params
+from optimized.models.wan.instance import WanModelInstance
+from optimized.models.wan.transformer import WanDiTFast
+from optimized.models.wan.vae import ConvCache
+from optimized.runtime.cache import CacheKey
+from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+from optimized.solvers import euler, unipc
+from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
+
+LOOP_ID = "wan.denoise"
+SolverState = unipc.UniPCState | euler.EulerState
+
+
+@dataclass(frozen=True)
+class WanDenoiseJob:
+    request: WanGenerateRequest
+    record_trajectory: bool = False
+
+
+@dataclass
+class WanDenoiseState:
+    job: WanDenoiseJob
+    solver_name: str                                # "unipc" | "euler"
+    timesteps: torch.Tensor                         # [N] model timesteps: int64 (UniPC) or fp32 (Euler), upstream
+    sigmas: torch.Tensor                            # fp32 [N + 1]
+    experts: tuple[int, ...]                        # 1 or 2 for every step
+    latents: torch.Tensor                           # fp32 [1, C, T, h, w]
+    solver: SolverState                             # this request's own solver state
+    text: torch.Tensor                              # [1, L, text_dim] cond embeddings, run dtype (shared via cache)
+    negative_text: torch.Tensor | None              # uncond embeddings when the request runs CFG
+    text_keys: tuple[CacheKey, ...] = ()            # the text-embedding cache entries this request reads
+    image_embeds: torch.Tensor | None = None        # [1, N, image_dim] (2.1 I2V image branch)
+    condition: torch.Tensor | None = None           # i2v: [1, 4 + z, T, h, w]; ti2v with image: [1, z, 1, h, w]
+    first_frame_mask: torch.Tensor | None = None    # ti2v: fp32 [1, 1, T, h, w] (0 on frame 0 when conditioned)
+    initial: torch.Tensor | None = None             # the initial latents
+    step: int = 0
+    trajectory: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def request(self) -> WanGenerateRequest:
+        return self.job.request
+
+
+@dataclass(frozen=True)
+class BranchInput:
+    """One DiT forward row: the inputs of one request's cond or uncond branch (batch dim 1)."""
+    latents: torch.Tensor                           # [1, C_in, T, h, w], run dtype
+    timestep: torch.Tensor                          # [1] or [1, seq]
+    text: torch.Tensor                              # [1, L, text_dim]
+    image_embeds: torch.Tensor | None
+
+
+def advance(solver: SolverState, velocity: torch.Tensor, x: torch.Tensor) -> tuple[SolverState, torch.Tensor]:
+    """One solver step of one request (module-level so a fault can be planted here)."""
+    if isinstance(solver, euler.EulerState):
+        return euler.euler_step(solver, velocity, x)
+    return unipc.unipc_step(solver, velocity, x)
+
+
+def forward_rows(dit: WanDiTFast, rows: list[BranchInput]) -> list[torch.Tensor]:
+    """One batched DiT forward over same-shape rows; one [1, C_out, T, h, w] prediction per row."""
+    ts = [r.timestep for r in rows]
+    if len({t.dtype for t in ts}) > 1:  # int and float timesteps in one batch: the DiT embeds them as fp32 anyway
+        ts = [t.to(torch.float32) for t in ts]
+    images = None if rows[0].image_embeds is None else torch.cat([r.image_embeds for r in rows])
+    out = dit.forward_batch(torch.cat([r.latents for r in rows]), torch.cat(ts), torch.cat([r.text for r in rows]),
+                            images)
+    return list(out.split(1))
+
+
+def expert_schedule(cfg: WanModelConfig, timesteps: torch.Tensor) -> tuple[int, ...]:
+    """Expert 1 while t >= boundary_ratio * num_train_timesteps, expert 2 after (upstream; tensor comparison)."""
+    if cfg.boundary_ratio is None:
+        return (1,) * len(timesteps)
+    boundary = cfg.boundary_ratio * cfg.num_train_timesteps
+    return tuple(1 if bool(t >= boundary) else 2 for t in timesteps)
+
+
+class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
+    loop_id = LOOP_ID
+
+    def __init__(self, model: WanModelInstance, cfg_policy: CFGPolicy | str = "batched"):
+        self.model = model
+        self.cfg: WanModelConfig = model.cfg
+        self.cfg_policy = make_policy(cfg_policy)
+
+    # ---- request -> state
+    def init_state(self, job: WanDenoiseJob | WanGenerateRequest) -> WanDenoiseState:
+        job = job if isinstance(job, WanDenoiseJob) else WanDenoiseJob(job)
+        cfg, req = self.cfg, job.request
+        try:
+            req.validate(cfg)
+            self.cfg_policy.check(req.uses_cfg, req.guidance_scale)
+        except ValueError as e:  # ManifestError included: one clear message, nothing else disturbed
+            raise ValueError(str(e)) from None
+        solver_name = req.solver or cfg.solver
+        shift = float(req.flow_shift if req.flow_shift is not None else cfg.flow_shift)
+        if solver_name == "euler":
+            solver, timesteps = euler.new_euler_state(FlowMatchEulerConfig(cfg.num_train_timesteps, shift),
+                                                      req.num_steps)
+        else:
+            solver, timesteps = unipc.new_state(UniPCConfig(num_train_timesteps=cfg.num_train_timesteps,
+                                                            flow_shift=shift).validate(), req.num_steps)
+        latents = self._initial_latents(req)
+        text, negative = self._encode_text(req)
+        keys = tuple(self.model.text_encoder.cache_key(ids)
+                     for ids in (req.text_ids,) + ((req.negative_text_ids,) if req.uses_cfg else ()))
+        state = WanDenoiseState(job, solver_name, timesteps, solver.sigmas, expert_schedule(cfg, timesteps),
+                                latents, solver, text, negative, text_keys=keys, initial=latents)
+        if req.image_embeds is not None:  # (upstream) image_embeds.repeat(batch_size, 1, 1).to(transformer_dtype)
+            state.image_embeds = req.image_embeds.unsqueeze(0).to(self.model.device, self.model.dtype)
+        self._condition(req, state)
+        return state
+
+    def _initial_latents(self, req: WanGenerateRequest) -> torch.Tensor:
+        if req.noise is not None:  # (upstream) caller latents are cast to float32
+            return req.noise.to(self.model.device, torch.float32, copy=True)
+        g = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+        # (upstream) one float32 randn of the whole [1, C, T, h, w] from a CPU generator
+        return torch.randn(1, *req.latent_shape(self.cfg), generator=g, dtype=torch.float32).to(self.model.device)
+
+    def _encode_text(self, req: WanGenerateRequest) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each prompt through UMT5Fast's content-hash cache (a prompt shared by K requests is encoded once);
+        (upstream) embeddings cast to the transformer dtype."""
+        enc, L, dt = self.model.text_encoder, self.cfg.max_sequence_length, self.model.dtype
+        text = enc.encode([req.text_ids], L).to(self.model.device, dt)
+        negative = enc.encode([req.negative_text_ids], L).to(self.model.device, dt) if req.uses_cfg else None
+        return text, negative
+
+    def _vae_mean(self, video: torch.Tensor) -> torch.Tensor:
+        """VAE posterior mode (upstream `retrieve_latents(sample_mode="argmax")`), encoded as upstream does:
+        video frame 0 alone, then 4 frames at a time, the causal-conv cache carried between chunks."""
+        vae, z = self.model.vae, self.cfg.vae.z_dim
+        t = self.cfg.vae.temporal_compression
+        video = video.to(self.model.device, vae.dtype)
+        cache, moments = ConvCache(), []
+        with torch.no_grad():
+            for i in range(1 + (video.shape[2] - 1) // t):
+                chunk = video[:, :, :1] if i == 0 else video[:, :, 1 + t * (i - 1): 1 + t * i]
+                m, cache = vae.encode_chunk(chunk, cache, first=i == 0)
+                moments.append(m)
+        return torch.cat(moments, 2)[:, :z]
+
+    def _normalised_condition(self, video: torch.Tensor) -> torch.Tensor:
+        vae_cfg = self.cfg.vae
+        latent = self._vae_mean(video).to(self.model.device, torch.float32)
+        mean = torch.tensor(vae_cfg.latents_mean).view(1, vae_cfg.z_dim, 1, 1, 1).to(latent.device, latent.dtype)
+        inv_std = 1.0 / torch.tensor(vae_cfg.latents_std).view(1, vae_cfg.z_dim, 1, 1, 1).to(latent.device,
+                                                                                          latent.dtype)
+        return (latent - mean) * inv_std  # (upstream) multiplies by 1 / std
+
+    def _condition(self, req: WanGenerateRequest, s: WanDenoiseState) -> None:
+        cfg = self.cfg
+        _, T, h, w = req.latent_shape(cfg)
+        image = None if req.image is None else req.image.to(torch.float32).unsqueeze(0).unsqueeze(2)  # [1,3,1,H,W]
+        if cfg.expand_timesteps:
+            mask = torch.ones(1, 1, T, h, w, dtype=torch.float32, device=self.model.device)
+            if image is not None:
+                s.condition = self._normalised_condition(image)
+                mask[:, :, 0] = 0
+            s.first_frame_mask = mask
+        elif cfg.task == "i2v":
+            frames = torch.cat([image, image.new_zeros(1, 3, req.num_frames - 1, req.height, req.width)], dim=2)
+            latent = self._normalised_condition(frames)
+            # (upstream) the pixel-frame mask [1, 1 (first frame x4), 0...] viewed as 4 channels: frame 0 ones
+            mask = torch.zeros(1, 4, T, h, w, dtype=torch.float32, device=latent.device)
+            mask[:, :, 0] = 1
+            s.condition = torch.cat([mask, latent], dim=1)
+
+    # ---- planning (pure)
+    def _tokens(self, s: WanDenoiseState) -> int:
+        _, T, h, w = s.latents.shape[1:]
+        pt, ph, pw = self.cfg.dit.patch_size
+        return (T // pt) * (h // ph) * (w // pw)
+
+    def plan_step(self, s: WanDenoiseState) -> WorkPlan:
+        expert = s.experts[s.step]
+        dit_cfg = self.cfg.dit if expert == 1 else self.cfg.dit_2
+        tokens, branches = self._tokens(s), 2 if s.request.uses_cfg else 1
+        elem = torch.finfo(self.model.dtype).bits // 8
+        act_bytes = branches * (tokens * dit_cfg.hidden_size * elem * 12 + tokens * dit_cfg.ffn_dim * elem * 2)
+        cost = 2 * branches * (tokens + s.text.shape[1]) * dit_params(dit_cfg) / 5e10
+        image_n = None if s.image_embeds is None else s.image_embeds.shape[1]
+        shape = tuple(s.latents.shape[1:])
+        return WorkPlan(
+            request_id="", loop_id=self.loop_id, phase="denoise_step", step_index=s.step,
+            batch_key=(expert, shape, s.text.shape[1], image_n, str(self.model.dtype), self.cfg_policy.name),
+            resources=ResourceRequest(device_bytes=act_bytes, cost_seconds=cost), cache_reads=s.text_keys,
+            shape_signature=f"expert={expert};latent={'x'.join(map(str, shape))};branches={branches}",
+            info={"timestep": s.timesteps[s.step].item(), "expert": expert,
+                  "guidance": s.request.guidance_for_expert(expert)})
+
+    def admission(self, s: WanDenoiseState) -> ResourceRequest:
+        """Held for the request's life: latents + solver history (+ trajectory), conditioning, text embeddings."""
+        latent = s.latents.numel() * 4
+        held = latent * (6 + (len(s.timesteps) if s.job.record_trajectory else 0))
+        for t in (s.condition, s.first_frame_mask, s.text, s.negative_text, s.image_embeds):
+            held += 0 if t is None else t.numel() * t.element_size()
+        return ResourceRequest(device_bytes=held)
+
+    # ---- the step body
+    def _branch(self, s: WanDenoiseState, text: torch.Tensor) -> BranchInput:
+        dt, t = self.model.dtype, s.timesteps[s.step]
+        if self.cfg.expand_timesteps:
+            x = s.latents if s.condition is None else \
+                (1 - s.first_frame_mask) * s.condition + s.first_frame_mask * s.latents
+            # (upstream) per-token timesteps read the mask at a hard-coded stride 2 (the DiT's spatial patch)
+            timestep = (s.first_frame_mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0)
+        else:
+            x = s.latents if s.condition is None else torch.cat([s.latents, s.condition], dim=1)
+            timestep = t.reshape(1)
+        return BranchInput(x.to(dt), timestep, text, s.image_embeds)
+
+    def run_step(self, states: Sequence[WanDenoiseState], plans: Sequence[WorkPlan]) -> list[WanDenoiseState]:
+        expert = states[0].experts[states[0].step]
+        if any(s.experts[s.step] != expert for s in states):
+            raise ValueError("wan.denoise: one batch must run one expert")
+        dit = self.model.expert(expert)
+        cond = [self._branch(s, s.text) for s in states]
+        guided = [s for s in states if s.request.uses_cfg]
+        uncond = [self._branch(s, s.negative_text) for s in guided]
+        with torch.no_grad():
+            cond_preds, uncond_preds = self.cfg_policy.run(partial(forward_rows, dit), cond, uncond)
+        uncond_by_state = dict(zip(map(id, guided), uncond_preds))
+        out = []
+        for s, v in zip(states, cond_preds):
+            if id(s) in uncond_by_state:  # (upstream) combined in the transformer's output dtype
+                v = cfg_combine(v, uncond_by_state[id(s)], s.request.guidance_for_expert(expert))
+            solver, x = advance(s.solver, v, s.latents)
+            s = replace(s, solver=solver, latents=x.to(torch.float32), step=s.step + 1)
+            if s.job.record_trajectory:
+                s.trajectory = s.trajectory + [s.latents]
+            out.append(s)
+        return out
+
+    def is_done(self, s: WanDenoiseState) -> bool:
+        return s.step >= len(s.timesteps)
+
+    def finalize(self, s: WanDenoiseState) -> dict:
+        x = s.latents
+        if self.cfg.expand_timesteps and s.condition is not None:  # (upstream) frame 0 replaced after the loop
+            x = (1 - s.first_frame_mask) * s.condition + s.first_frame_mask * x
+        return {"latents": {"vision": x}, "trajectory": list(s.trajectory),
+                "timesteps": s.timesteps[: s.step].tolist(), "experts": list(s.experts[: s.step]),
+                "initial": s.initial}
+
+    def release(self, s: WanDenoiseState) -> None:
+        """Nothing pooled: the text embeddings stay in the encoder's LRU cache for later requests."""

@@ -1,0 +1,103 @@
+"""One resident Wan model: DiT expert(s), UMT5 text encoder and VAE, loaded once and shared by every loop.
+
+`weights` maps a component name to its canonical state dict (the names `WanReferencePipeline` uses):
+    transformer      `dit_key_shapes(cfg.dit)`            -> `dit`    (WanDiTFast)
+    transformer_2    `dit_key_shapes(cfg.dit_2)`          -> `dit_2`  (two-expert models only)
+    text_encoder     `umt5_key_shapes(cfg.text_encoder)`  -> `text_encoder` (UMT5Fast, content-hash cached)
+    vae              `canonical_key_shapes(cfg.vae)`      -> `vae`    (FastWanVAE, fp32 unless asked otherwise)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from manifests.wan import WanModelConfig, canonical_key_shapes, dit_key_shapes, umt5_key_shapes
+from optimized.models.wan.text_encoder import UMT5Fast
+from optimized.models.wan.transformer import WanDiTFast
+from optimized.models.wan.vae import FastWanVAE, load_fast_vae
+
+TRANSFORMER, TRANSFORMER_2, TEXT_ENCODER, VAE = "transformer", "transformer_2", "text_encoder", "vae"
+
+
+def component_names(cfg: WanModelConfig) -> tuple[str, ...]:
+    return (TRANSFORMER,) + ((TRANSFORMER_2,) if cfg.two_experts else ()) + (TEXT_ENCODER, VAE)
+
+
+def component_key_shapes(cfg: WanModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    shapes = {TRANSFORMER: dit_key_shapes(cfg.dit), TEXT_ENCODER: umt5_key_shapes(cfg.text_encoder),
+              VAE: canonical_key_shapes(cfg.vae)}
+    if cfg.two_experts:
+        shapes[TRANSFORMER_2] = dit_key_shapes(cfg.dit_2)
+    return {name: shapes[name] for name in component_names(cfg)}
+
+
+class WanModelInstance:
+    """Built from (config, canonical state dicts per component, device, dtype). The VAE runs in `vae_dtype`
+    (fp32 by default, as the Wan pipelines' documented set-up loads it)."""
+
+    def __init__(self, cfg: WanModelConfig, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, weights_version: str | None = None,
+                 vae_dtype: torch.dtype = torch.float32):
+        self.cfg = cfg.validate()
+        names = component_names(cfg)
+        missing, unknown = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
+        if missing or unknown:
+            raise ValueError(f"wan {cfg.task} model: components must be exactly {list(names)}; "
+                             f"missing {missing}, unexpected {unknown}")
+        self.device, self.dtype, self.vae_dtype = torch.device(device), dtype, vae_dtype
+        self.weights_version = weights_version
+
+        def version(component: str) -> str | None:  # None: the component hashes its own weights
+            return f"{weights_version}:{component}" if weights_version else None
+
+        self.dit = WanDiTFast(cfg.dit, weights[TRANSFORMER], device, dtype, weights_version=version(TRANSFORMER))
+        self.dit_2 = WanDiTFast(cfg.dit_2, weights[TRANSFORMER_2], device, dtype,
+                                weights_version=version(TRANSFORMER_2), component_id=TRANSFORMER_2) \
+            if cfg.two_experts else None
+        self.text_encoder = UMT5Fast(cfg.text_encoder, weights[TEXT_ENCODER], device, dtype,
+                                     weights_version=version(TEXT_ENCODER))
+        self.vae: FastWanVAE = load_fast_vae(cfg.vae, weights[VAE], device=str(device), dtype=vae_dtype)
+
+    def expert(self, index: int) -> WanDiTFast:
+        """Expert 1 (`transformer`, high noise) or 2 (`transformer_2`, low noise)."""
+        if index == 2 and self.dit_2 is not None:
+            return self.dit_2
+        if index == 1:
+            return self.dit
+        raise ValueError(f"wan model has no expert {index}")
+
+    @staticmethod
+    def random_weights(cfg: WanModelConfig, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+        """Seeded random canonical weights at the config's shapes: matrices ~ N(0, 1/fan_in), biases and tables
+        small, norm scales near 1, embeddings N(0, 1). One generator, components and keys in a fixed order."""
+        g = torch.Generator().manual_seed(seed)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for component, shapes in component_key_shapes(cfg).items():
+            state = {}
+            for key, shape in sorted(shapes.items()):
+                noise = torch.randn(shape, generator=g)
+                leaf = key.rsplit(".", 2)
+                is_norm = key.endswith(".gamma") or (key.endswith(".weight") and "norm" in leaf[-2])
+                if is_norm:
+                    state[key] = 1.0 + 0.1 * noise
+                elif key.endswith("shared.weight"):
+                    state[key] = noise
+                elif len(shape) >= 2 and not key.endswith("scale_shift_table") and "relative_attention" not in key:
+                    fan_in = 1
+                    for d in shape[1:]:
+                        fan_in *= d
+                    state[key] = noise / fan_in ** 0.5
+                else:
+                    state[key] = 0.1 * noise
+            out[component] = state
+        return out
+
+    @classmethod
+    def random(cls, cfg: WanModelConfig, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               **kw) -> "WanModelInstance":
+        """Seeded random weights (benchmarks at released sizes; CPU smoke runs)."""
+        digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        return cls(cfg, cls.random_weights(cfg, seed), device, dtype, weights_version=f"random:{digest}:{seed}", **kw)
