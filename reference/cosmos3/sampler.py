@@ -11,7 +11,7 @@ from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest
 from reference.cosmos3.model import Cosmos3Transformer
-from reference.cosmos3.unipc import UniPCFlow
+from reference.solvers.unipc import UniPCFlow
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """UniPC multistep (order 2, B(h) = e^h - 1, x0-prediction) in flow-matching form, written from the math.
 
 Reproduces diffusers `UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction")` as
-`Cosmos3OmniPipeline` uses it. Flow form: x_t = (1 - sigma) x0 + sigma noise, so alpha = 1 - sigma and the
+`Cosmos3OmniPipeline` and the Wan pipelines use it (shared by every family). Flow form: x_t = (1 - sigma) x0 + sigma noise, so alpha = 1 - sigma and the
 model's velocity v gives x0 = x - sigma v. Each step: correct the current sample with the new model output
 (UniC, from the second step on), then predict the next sample (UniP). One instance per modality and request.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from manifests.cosmos3.sampling import UniPCConfig
+from manifests.solvers import UniPCConfig
 
 
 def flow_schedule(cfg: UniPCConfig, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
