@@ -16,10 +16,11 @@ import click
 
 from converters.engine import DEFAULT_MAX_SHARD_BYTES, DTYPE_ALIASES, convert
 from converters.errors import ConversionError
-from converters.families import family_names, get_family
+from converters.families import family_formats, family_names, get_family
 from converters.hooks import get_post_check
 from converters.inspect import human_bytes, human_count, inspect_source
 from converters.manifest import load_manifest
+from converters.pipeline import PIPELINE, detect_format
 from manifests.errors import ManifestError
 
 PROG = "fvconvert"
@@ -122,7 +123,7 @@ def _family_help(fam_name: str) -> str:
              "SRC is the upstream model folder (config + weights), or a weights file",
              "(.safetensors, *.safetensors.index.json, .pt/.pth/.bin weights_only pickle)",
              "with its config beside it or given with --config.", "", "\b", "Formats (--from):"]
-    for fmt in fam.formats():
+    for fmt in family_formats(fam_name):
         try:
             m = load_manifest(fam_name, fmt)
             lines.append(f"  {fmt:<13} {m.upstream.get('source', '')}")
@@ -174,10 +175,14 @@ def _make_family_command(fam_name: str) -> click.Command:
     @click.option("-q", "--quiet", is_flag=True, help="No progress messages on stderr.")
     def command(fmt, src, out, config, variant, dtype, force, allow_truncate, allow_nonfinite, keep_sidecars,
                 skip_parity, max_shard_size, quiet) -> int:
-        fam = get_family(fam_name)
-        manifest = load_manifest(fam_name, fmt)    # unknown format / invalid manifest: one clear error
         if dtype is not None and dtype.lower() not in DTYPE_ALIASES:
             raise click.BadParameter(f"{dtype!r}; use float32, bfloat16 or float16", param_hint="'--dtype'")
+        target = detect_format(fam_name, fmt, src)     # `--from diffusers DIR`: which component / a pipeline root
+        if target == PIPELINE:
+            return _convert_pipeline(fam_name, src, out, variant, dtype, force, allow_nonfinite, skip_parity,
+                                     max_shard_size, quiet)
+        manifest = load_manifest(fam_name, target)     # unknown format / invalid manifest: one clear error
+        fam = get_family(fam_name, manifest.component)
         if variant is not None and variant not in fam.list_variants():
             raise ConversionError(f"unknown variant {variant!r} for {fam_name}; known: {', '.join(fam.list_variants())}")
         shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD_BYTES
@@ -191,9 +196,9 @@ def _make_family_command(fam_name: str) -> click.Command:
         report = convert(fam_name, manifest, src, out, config=config, variant=variant, dtype=dtype, force=force,
                          allow_truncate=allow_truncate, allow_nonfinite=allow_nonfinite, keep_sidecars=keep_sidecars,
                          post_check=post, skip_parity=skip_parity, max_shard_bytes=shard_bytes,
-                         progress=_progress(quiet), progress_update=bar)
+                         progress=_progress(quiet), progress_update=bar, missing_post_check="not run")
         d = report.dtypes
-        click.echo(f"converted {fam_name}/{fmt} {src} -> {out}")
+        click.echo(f"converted {fam_name}/{manifest.format} {src} -> {out}")
         click.echo(f"  tensors: {report.num_output_keys} written from {report.num_source_keys} source keys "
                    f"({len(report.dropped)} dropped), {human_count(report.shapes['num_params'])} params, "
                    f"{human_bytes(report.shapes['output_bytes'])}")
@@ -230,6 +235,33 @@ def _make_family_command(fam_name: str) -> click.Command:
         return 0
 
     return command
+
+
+def _convert_pipeline(fam_name, src, out, variant, dtype, force, allow_nonfinite, skip_parity, max_shard_size,
+                      quiet) -> int:
+    """A diffusers pipeline root -> one canonical model directory (converters/pipeline.py)."""
+    from converters.pipeline import convert_pipeline
+
+    if variant is not None:
+        from manifests.wan.model import list_model_variants
+        if variant not in list_model_variants():
+            raise ConversionError(f"unknown model variant {variant!r} for {fam_name}; known: "
+                                  f"{', '.join(list_model_variants())}")
+    shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD_BYTES
+    report = convert_pipeline(fam_name, src, out, variant=variant, dtype=dtype, force=force,
+                              allow_nonfinite=allow_nonfinite, skip_parity=skip_parity, post_check_for=get_post_check,
+                              max_shard_bytes=shard_bytes, progress=_progress(quiet))
+    click.echo(f"converted {fam_name} pipeline ({report.pipeline_class}, task {report.config['task']}) {src} -> {out}")
+    for name, c in report.components.items():
+        p = c["parity"]
+        click.echo(f"  {name + ':':<14} {c['format']}, {c['num_output_keys']} tensors, parity {p.get('status')}"
+                   + (f" ({p['reason']})" if p.get("reason") else ""))
+    for name, files in report.assets.items():
+        click.echo(f"  {name + ':':<14} {len(files)} file(s) copied")
+    for name, why in report.not_converted.items():
+        click.echo(f"  {name + ':':<14} not converted: {why}")
+    click.echo(f"  weights_version: {report.weights_version}")
+    return 0
 
 
 for _name in family_names():
@@ -301,7 +333,7 @@ def formats_cmd() -> int:
     rows = []
     for fam_name in family_names():
         fam = get_family(fam_name)
-        for fmt in fam.formats():
+        for fmt in family_formats(fam_name):
             m = load_manifest(fam_name, fmt)
             rows.append([fam_name, fmt, m.upstream.get("source", ""), m.conversion_version, len(m.rules), m.origin])
     click.echo(tabulate(rows, headers=["family", "format", "upstream", "version", "rules", "manifest"]))

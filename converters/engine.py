@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from converters.readers import (ST_TO_TORCH, TensorInfo, WeightReader, hash_file
                                 weight_kind_of)
 from converters.writer import (INDEX_NAME, OutTensor, json_bytes, plan_shards, shard_names, write_bytes,
                                write_safetensors)
+from manifests.checkpoint import weights_version_of
 from manifests.errors import ManifestError
 
 ENGINE_VERSION = 2
@@ -89,7 +91,7 @@ class ResolvedSource:
 def _manifest_of(family: str, fmt: str | CheckpointManifest) -> CheckpointManifest:
     if isinstance(fmt, CheckpointManifest):
         from converters.manifest import check_against_family
-        return check_against_family(fmt, get_family(family))
+        return check_against_family(fmt, get_family(family, fmt.component))
     return load_manifest(family, fmt)
 
 
@@ -342,7 +344,8 @@ def plan_conversion(family: Family, manifest: CheckpointManifest, cfg: Any, info
         if rule is None:
             unexpected.append(key)
         elif rule.op == "drop":
-            dropped.append({"key": key, "file": str(infos[key].file), "reason": rule.reason})
+            dropped.append({"key": key, "file": str(infos[key].file), "reason": rule.reason,
+                            **({"equals": rule.equals} if rule.equals else {})})
         elif rule.op == "sidecar":
             sk = (rule.sidecar, targets[0])
             if sk in sidecar_keys:
@@ -670,6 +673,8 @@ class ConversionReport:
     nonfinite: list[dict]
     inputs: list[dict]
     outputs: list[dict] = field(default_factory=list)
+    weights_version: str | None = None     # "sha256:<hex>" over the canonical weight files' + config.json's sha256
+    component: str | None = None           # the component kind converted (wan: transformer | text_encoder | vae)
     parity: dict = field(default_factory=lambda: {"status": "skipped"})
     elapsed_s: float = 0.0
     throughput: dict = field(default_factory=dict)
@@ -722,8 +727,8 @@ def _renamed(plan: Plan) -> list[dict]:
 
 
 def _prepare(family_name: str, fmt, src, config, dtype, allow_truncate, variant):
-    family = get_family(family_name)
     manifest = _manifest_of(family_name, fmt)
+    family = get_family(family_name, manifest.component)
     if variant is not None and variant not in family.list_variants():
         raise ConversionError(f"unknown variant {variant!r} for {family_name}; known: {', '.join(family.list_variants())}")
     res = resolve_source(manifest, src, config, variant)
@@ -732,6 +737,7 @@ def _prepare(family_name: str, fmt, src, config, dtype, allow_truncate, variant)
     try:
         plan = plan_conversion(family, manifest, cfg, reader.infos(), dtype=normalize_dtype(dtype),
                                allow_truncate=allow_truncate, where=str(res.weights_path))
+        check_tied_copies(reader, plan, manifest)
         variant_info = None
         if variant is not None:
             if config_source["kind"] == "variant":
@@ -751,6 +757,28 @@ def _prepare(family_name: str, fmt, src, config, dtype, allow_truncate, variant)
         reader.close()
         raise
     return family, manifest, res, reader, plan, variant_info, config_source
+
+
+def check_tied_copies(reader: WeightReader, plan: Plan, manifest: CheckpointManifest) -> None:
+    """A dropped tied copy (drop rule with `equals`) must equal the tensor it is tied to, bit for bit: a source
+    whose copies differ is not the tied model the canonical layout stores once."""
+    infos = reader.infos()
+    by_norm = {manifest.normalize_key(k): k for k in infos}
+    for d in plan.dropped:
+        if "equals" not in d:
+            continue
+        other = by_norm.get(d["equals"])
+        if other is None:
+            raise ConversionError(f"{d['file']}: key {d['key']!r} is a tied copy of {d['equals']!r}, which the "
+                                  f"source does not hold")
+        a, b = reader.get(d["key"]), reader.get(other)
+        same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        reader.release(d["key"])
+        reader.release(other)
+        if not same:
+            raise ConversionError(f"{d['file']}: key {d['key']!r} should be tied to {other!r} (the canonical layout "
+                                  f"stores it once) but differs from it; refusing")
+        d["verified_equal"] = True
 
 
 def convert_to_state_dict(family: str, fmt: str | CheckpointManifest, src: str | Path, *,
@@ -843,13 +871,13 @@ def _completed_copy(tmp: Path, check_dir: Path, fam: Family, plan: Plan, weight_
     write_bytes(check_dir / MANIFEST_NAME, json_bytes(full))
     return missing
 
-
 def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: str | Path, *,
             config: str | Path | None = None, variant: str | None = None, dtype: str | torch.dtype | None = None,
             force: bool = False, allow_truncate: bool = False, allow_nonfinite: bool = False,
             keep_sidecars: bool = False, post_check: PostCheck | None = None, skip_parity: bool = False,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: Progress | None = None,
-            progress_every: int | None = None, progress_update: ProgressUpdate | None = None) -> ConversionReport:
+            progress_every: int | None = None, progress_update: ProgressUpdate | None = None,
+            missing_post_check: str = "skipped") -> ConversionReport:
     """Convert the `fmt` checkpoint of `family` at SRC into a canonical checkpoint directory OUT.
 
     `fmt` is a format name (`fvconvert formats`), a path to a manifest JSON, or a CheckpointManifest.
@@ -858,13 +886,34 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
     "fail"/"error", or an exception, fails the conversion and leaves nothing. For a partial checkpoint whose
     manifest says `parity.unfilled_parts: "placeholders"`, the check runs on a temporary copy completed with
     seeded placeholder weights (removed afterwards). Without a post_check (or with skip_parity) parity is
-    {"status": "skipped", "reason": ...}.
+    {"status": "skipped", "reason": ...} (`missing_post_check` names the status when no post_check is given:
+    the CLI says "not run" for a component whose check parity does not wire yet).
     """
     t0 = time.time()
     say = progress or (lambda _m: None)
     src, out = Path(src), Path(out)
     if max_shard_bytes <= 0:
         raise ConversionError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    check_output(src, out, force)
+    prepared = _prepare(family, fmt, src, config, dtype, allow_truncate, variant)
+    reader = prepared[3]
+    try:
+        with staged_output(out) as tmp:
+            report = write_component(tmp, out, prepared, src=src, dtype=dtype, allow_truncate=allow_truncate,
+                                     allow_nonfinite=allow_nonfinite, keep_sidecars=keep_sidecars,
+                                     post_check=post_check, skip_parity=skip_parity, max_shard_bytes=max_shard_bytes,
+                                     say=say, progress_every=progress_every, progress_update=progress_update, t0=t0,
+                                     missing_post_check=missing_post_check)
+    finally:
+        reader.close()
+    gbs = report.throughput.get("gb_per_s")
+    say(f"done: {out} ({report.num_output_keys} tensors, {_gib(report.shapes['output_bytes'])}, {report.elapsed_s:.1f}s"
+        + (f", {gbs:.2f} GB/s writing" if gbs else "") + ")")
+    return report
+
+
+def check_output(src: Path, out: Path, force: bool) -> None:
+    """OUT may be replaced only with force, and never when it is (or holds) the source."""
     if os.path.lexists(out):
         if not force:
             raise ConversionError(f"{out}: output already exists; refusing to overwrite (pass --force / force=True)")
@@ -873,28 +922,71 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
     if src.exists() and src.is_dir() and out.resolve() == src.resolve():
         raise ConversionError(f"{out}: output and source are the same directory")
 
-    fam, manifest, res, reader, plan, variant_info, config_source = _prepare(
-        family, fmt, src, config, dtype, allow_truncate, variant)
+
+@contextmanager
+def staged_output(out: Path):
+    """A temporary directory beside OUT; renamed onto OUT (replacing it) when the block succeeds, removed (with
+    any parent folders it had to create) when it fails: a failed run leaves nothing behind."""
+    parent = out.parent if str(out.parent) else Path(".")
+    missing_parents = []
+    p = parent
+    while not p.exists():
+        missing_parents.append(p)
+        p = p.parent
     created: list[Path] = []
     tmp: Path | None = None
-    check_dir: Path | None = None
     published = False
-    hashing: ThreadPoolExecutor | None = None
-    stop_hashing = threading.Event()
     try:
-        parent = out.parent if str(out.parent) else Path(".")
-        missing_parents = []
-        p = parent
-        while not p.exists():
-            missing_parents.append(p)
-            p = p.parent
         try:
             parent.mkdir(parents=True, exist_ok=True)
             created = list(reversed(missing_parents))
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-", dir=parent))
         except OSError as e:
             raise ConversionError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
+        try:
+            yield tmp
+        except OSError as e:
+            raise ConversionError(f"{getattr(e, 'filename', None) or out}: {e.strerror or e}") from None
+        try:
+            if os.path.lexists(out):
+                aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-old-", dir=parent))
+                os.replace(out, aside / "old")
+                try:
+                    os.replace(tmp, out)
+                except BaseException:
+                    os.replace(aside / "old", out)
+                    raise
+                finally:
+                    shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(tmp, out)
+        except OSError as e:
+            raise ConversionError(f"{getattr(e, 'filename', None) or out}: {e.strerror or e}") from None
+        published = True
+    finally:
+        if not published:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            for d in reversed(created):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
 
+
+def write_component(tmp: Path, out: Path, prepared: tuple, *, src: Path, dtype, allow_truncate: bool,
+                    allow_nonfinite: bool, keep_sidecars: bool, post_check: PostCheck | None, skip_parity: bool,
+                    max_shard_bytes: int, say: Progress, progress_every: int | None,
+                    progress_update: ProgressUpdate | None, t0: float,
+                    missing_post_check: str = "skipped") -> ConversionReport:
+    """Write one canonical component directory into the (existing, empty) directory `tmp` from a `_prepare`d
+    conversion: weights, config.json, manifest.json, sidecars, the post-check, conversion_report.json. `out` is
+    where it will be published (for messages and the report)."""
+    fam, manifest, res, reader, plan, variant_info, config_source = prepared
+    check_dir: Path | None = None
+    hashing: ThreadPoolExecutor | None = None
+    stop_hashing = threading.Event()
+    try:
         in_paths = ([res.config_path.resolve()] if res.config_path else []) + [p.resolve() for p in reader.files]
         in_paths += [p.resolve() for p, _ in res.expected if p.resolve() not in in_paths]
         say(f"hashing {len(in_paths)} input file(s) (in the background)")
@@ -978,8 +1070,11 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
 
         dtype_req = normalize_dtype(dtype)
         outputs.append(write_bytes(tmp / CONFIG_NAME, json_bytes(fam.config_to_dict(plan.cfg))))
+        # the canonical weights + config (not sidecars, manifest or report): what caches key numerics on
+        version = weights_version_of((o["path"], o["sha256"]) for o in outputs if "/" not in o["path"])
         resolved = {
-            "family": fam.name, "format": manifest.format, "manifest_file": manifest.origin,
+            "family": fam.name, "component": fam.component, "format": manifest.format,
+            "weights_version": version, "manifest_file": manifest.origin,
             "manifest_sha256": manifest.sha256, "engine_version": ENGINE_VERSION,
             "parts": plan.parts,
             "manifest": manifest.to_dict(),
@@ -1009,6 +1104,7 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
             components=_components(plan), renamed=_renamed(plan), normalized=plan.normalized,
             dropped=plan.dropped, sidecars=sidecar_info, unexpected=[], missing=[], truncated=plan.truncated,
             dtypes=dtypes, shapes=shapes, nonfinite=nonfinite, inputs=inputs, outputs=outputs,
+            weights_version=version, component=fam.component,
         )
         report.throughput = {"write_s": round(write_s, 3), "bytes": total_bytes,
                              "gb_per_s": round(total_bytes / 1e9 / write_s, 3) if write_s > 0 else None}
@@ -1016,7 +1112,7 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
         if skip_parity:
             report.parity = {"status": "skipped", "reason": "skipped on request (--skip-parity)"}
         elif post_check is None:
-            report.parity = {"status": "skipped",
+            report.parity = {"status": missing_post_check,
                              "reason": f"no parity post-check is wired for {manifest.post_check_name}"}
         elif not plan.parts["complete"] and manifest.parity.unfilled_parts != "placeholders":
             report.parity = {"status": "skipped",
@@ -1026,7 +1122,7 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
             target = tmp
             scope = None
             if not plan.parts["complete"]:
-                check_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-check-", dir=parent))
+                check_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-check-", dir=tmp.parent))
                 placeholders = _completed_copy(tmp, check_dir, fam, plan, weight_names, resolved)
                 target = check_dir
                 scope = {"checked_parts": plan.parts["filled"], "placeholder_parts": plan.parts["unfilled"],
@@ -1059,44 +1155,16 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
         report.elapsed_s = round(time.time() - t0, 3)
         report.created_utc = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         write_bytes(tmp / REPORT_NAME, json_bytes(report.to_dict()))
-
-        # atomic publish
-        if os.path.lexists(out):
-            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-old-", dir=parent))
-            os.replace(out, aside / "old")
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(aside / "old", out)
-                raise
-            finally:
-                shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-        published = True
-        gbs = report.throughput.get("gb_per_s")
-        say(f"done: {out} ({total} tensors, {_gib(total_bytes)}, {report.elapsed_s:.1f}s"
-            + (f", {gbs:.2f} GB/s writing" if gbs else "") + ")")
         return report
-    except OSError as e:
-        raise ConversionError(f"{getattr(e, 'filename', None) or out}: {e.strerror or e}") from None
+
     finally:
         if hashing is not None:
             stop_hashing.set()
             hashing.shutdown(wait=True)
-        reader.close()
         if check_dir is not None:
             shutil.rmtree(check_dir, ignore_errors=True)
-        if not published:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            for d in reversed(created):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
 
 
-__all__ = ["ConversionReport", "Plan", "PlanEntry", "SourceRef", "SidecarEntry", "convert", "convert_to_state_dict",
+__all__ = ["check_output", "staged_output", "write_component", "ConversionReport", "Plan", "PlanEntry", "SourceRef", "SidecarEntry", "convert", "convert_to_state_dict",
            "convert_diffusers_dir_to_canonical_state_dict", "normalize_dtype", "plan_conversion", "resolve_source",
            "read_source_config", "count_nonfinite", "has_nonfinite"]

@@ -39,6 +39,7 @@ class Family:
     num_layers_field: str                            # config field holding the layer count
     parts: tuple[tuple[str, tuple[str, ...], str], ...] = ()  # (part, regexes on canonical keys, what it is)
     placeholder: Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor] | None = None
+    component: str = "transformer"                   # the component kind this key set describes (manifests/checkpoint.py)
 
     def with_num_layers(self, cfg: Any, n: int) -> Any:
         cfg = dataclasses.replace(cfg, **{self.num_layers_field: n})
@@ -48,7 +49,19 @@ class Family:
         return getattr(cfg, self.num_layers_field)
 
     def formats(self) -> list[str]:
-        return sorted(p.stem for p in self.checkpoints_dir.glob("*.json"))
+        """The formats converting into this component (a manifest's `component`, default the family's first)."""
+        import json
+
+        default = component_names(self.name)[0] if component_names(self.name) else self.component
+        out = []
+        for p in self.checkpoints_dir.glob("*.json"):
+            try:
+                comp = json.loads(p.read_text()).get("component") or default
+            except (OSError, ValueError, AttributeError):
+                comp = default      # an unreadable manifest is reported by load_manifest, by name
+            if comp == self.component:
+                out.append(p.stem)
+        return sorted(out)
 
     # ---- parts ----
     @property
@@ -77,17 +90,7 @@ class Family:
 # ---------------------------------------------------------------------------------------------
 # cosmos3
 
-COSMOS3_PARTS = (
-    ("und", (r"^embed_tokens\.", r"^lm_head\.", r"^und_norm\.", r"^layers\.\d+\.und\.(?!k_norm_for_gen\.)"),
-     "understanding (reasoner) pathway: token embedding, und attention/MLP/norms of every layer, final und norm, "
-     "lm_head"),
-    ("gen", (r"^gen_norm\.", r"^layers\.\d+\.gen\.", r"^layers\.\d+\.und\.k_norm_for_gen\.", r"^time_embed\."),
-     "generation pathway: gen attention/MLP/norms of every layer, und k-norm used by gen, final gen norm, "
-     "timestep MLP"),
-    ("vision_heads", (r"^vision_(in|out)\.",), "vision latent projections in/out"),
-    ("sound_heads", (r"^sound_",), "sound latent projections and modality embedding"),
-    ("action_heads", (r"^action_",), "action (DomainAwareLinear) projections and modality embedding"),
-)
+from manifests.checkpoint import COSMOS3_PARTS  # noqa: E402  (one definition, shared with the reader)
 
 
 def cosmos3_placeholder(key: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -204,20 +207,102 @@ def _wan() -> Family:  # the Wan 2.1 / 2.2 VAE (diffusers AutoencoderKLWan names
                   key_shapes=wk.canonical_key_shapes, fp32_keys=lambda cfg: [], load_variant=wc.load_variant,
                   list_variants=wc.list_variants, config_mappings={"wan_vae_config": wan_vae_from_config},
                   # a VAE has no truncatable layer list: a pattern that never matches (num_res_blocks is only read)
-                  layer_key=re.compile(r"(?!)"), num_layers_field="num_res_blocks")
+                  layer_key=re.compile(r"(?!)"), num_layers_field="num_res_blocks", component="vae")
 
 
-_FACTORIES: dict[str, Callable[[], Family]] = {"cosmos3": _cosmos3, "seedvr2": _seedvr2, "wan": _wan}
-_CACHE: dict[str, Family] = {}
+def wan_dit_from_config(c: dict) -> Any:
+    """A DiT config.json -> WanDiTConfig: a diffusers `WanTransformer3DModel` config (`_class_name`, or diffusers'
+    `num_attention_heads` spelling), else our own canonical config (WanDiTConfig.to_dict)."""
+    from manifests.wan.dit import WanDiTConfig
+
+    cls_name = c.get("_class_name")
+    if cls_name is not None and cls_name != "WanTransformer3DModel":
+        raise ValueError(f"_class_name is {cls_name!r}, not the WanTransformer3DModel config a Wan DiT needs")
+    if cls_name is not None or "num_attention_heads" in c:
+        return WanDiTConfig.from_diffusers_config(c)
+    return WanDiTConfig.from_dict({k: v for k, v in c.items() if k != "description"})
+
+
+def wan_umt5_from_config(c: dict) -> Any:
+    """A text-encoder config.json -> UMT5Config: a transformers `UMT5Config` (model_type umt5), else ours."""
+    from manifests.wan.dit import UMT5Config
+
+    if c.get("model_type") is not None or "architectures" in c:
+        if c.get("model_type") not in (None, "umt5"):
+            raise ValueError(f"model_type is {c.get('model_type')!r}, not the umt5 a Wan text encoder needs")
+        return UMT5Config.from_transformers_config(c)
+    return UMT5Config.from_dict({k: v for k, v in c.items() if k != "description"})
+
+
+def _wan_model_variant(pick: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """--variant for a DiT / UMT5 component names a whole wan model variant (manifests/wan/models/)."""
+    def load(name: str) -> Any:
+        from manifests.wan.model import load_model_variant
+        return pick(load_model_variant(name))
+    return load
+
+
+def _wan_model_variants() -> list[str]:
+    from manifests.wan.model import list_model_variants
+    return list_model_variants()
+
+
+def _wan_transformer() -> Family:  # the Wan DiT (diffusers WanTransformer3DModel names); component "transformer"
+    from manifests.wan import config as wc
+    from manifests.wan import dit
+
+    return Family(name="wan", checkpoints_dir=Path(wc.__file__).parent / "checkpoints",
+                  config_from_dict=dit.WanDiTConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
+                  key_shapes=dit.dit_key_shapes, fp32_keys=lambda cfg: [],
+                  load_variant=_wan_model_variant(lambda m: m.dit), list_variants=_wan_model_variants,
+                  config_mappings={"wan_dit_config": wan_dit_from_config},
+                  layer_key=re.compile(r"^blocks\.(\d+)\."), num_layers_field="num_layers", component="transformer")
+
+
+def _wan_text_encoder() -> Family:  # UMT5 (transformers UMT5EncoderModel names); component "text_encoder"
+    from manifests.wan import config as wc
+    from manifests.wan import dit
+
+    return Family(name="wan", checkpoints_dir=Path(wc.__file__).parent / "checkpoints",
+                  config_from_dict=dit.UMT5Config.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
+                  key_shapes=dit.umt5_key_shapes, fp32_keys=lambda cfg: [],
+                  load_variant=_wan_model_variant(lambda m: m.text_encoder), list_variants=_wan_model_variants,
+                  config_mappings={"wan_umt5_config": wan_umt5_from_config},
+                  layer_key=re.compile(r"^encoder\.block\.(\d+)\."), num_layers_field="num_layers",
+                  component="text_encoder")
+
+
+# (family, component kind) -> Family; the first component of a family is its default (what `get_family(name)`
+# gives and what a canonical dir without a recorded component holds)
+_FACTORIES: dict[str, dict[str, Callable[[], Family]]] = {
+    "cosmos3": {"transformer": _cosmos3},
+    "seedvr2": {"transformer": _seedvr2},
+    "wan": {"vae": _wan, "transformer": _wan_transformer, "text_encoder": _wan_text_encoder},
+}
+_CACHE: dict[tuple[str, str], Family] = {}
 
 
 def family_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def get_family(name: str) -> Family:
+def component_names(name: str) -> list[str]:
+    return list(_FACTORIES.get(name, {}))
+
+
+def family_formats(name: str) -> list[str]:
+    """Every format of a family, over all its components."""
+    return sorted({f for c in component_names(name) for f in get_family(name, c).formats()})
+
+
+def get_family(name: str, component: str | None = None) -> Family:
+    """The converter Family of one component kind of a model family (default: the family's first component)."""
     if name not in _FACTORIES:
         raise ConversionError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
-    if name not in _CACHE:
-        _CACHE[name] = _FACTORIES[name]()
-    return _CACHE[name]
+    comps = _FACTORIES[name]
+    component = component or next(iter(comps))
+    if component not in comps:
+        raise ConversionError(f"{name} has no component {component!r}; components: {', '.join(comps)}")
+    if (name, component) not in _CACHE:
+        _CACHE[(name, component)] = comps[component]()
+    return _CACHE[(name, component)]

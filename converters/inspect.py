@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from converters.errors import ConversionError
-from converters.families import family_names, get_family
+from converters.families import family_formats, family_names, get_family
 from converters.manifest import load_manifest
 from converters.readers import TensorInfo, open_weights, torch_dtype, weight_kind_of
 from converters.writer import INDEX_NAME, SINGLE_NAME
@@ -20,8 +20,7 @@ _LAYER = re.compile(r"^(.*?\b(?:layers|blocks|h)\.)(\d+)\.(.*)$")
 def _candidates() -> list[tuple[str, str]]:
     seen, out = set(), []
     for fam in family_names():
-        f = get_family(fam)
-        for fmt in f.formats():
+        for fmt in family_formats(fam):
             for w in load_manifest(fam, fmt).weight_files:
                 if w.path not in seen:
                     seen.add(w.path)
@@ -168,8 +167,9 @@ def inspect_source(src: str | Path, config: str | Path | None = None, list_keys:
     guesses = []
     for fam_name in family_names():
         fam = get_family(fam_name)
-        for fmt in fam.formats():
-            guesses.append(_guess(fam, load_manifest(fam_name, fmt), src, wpath, infos, config))
+        for fmt in family_formats(fam_name):
+            m = load_manifest(fam_name, fmt)
+            guesses.append(_guess(get_family(fam_name, m.component), m, src, wpath, infos, config))
         guesses.append(_canonical_guess(fam, src if src.is_dir() else wpath.parent, raw_cfg, infos))
     guesses.sort(key=lambda g: (g["strict"] == "ok", g["matched"] / max(1, g["total"]),
                                 len((g.get("parts") or {}).get("filled", ())), -g.get("dropped", 0)), reverse=True)

@@ -29,7 +29,8 @@ A manifest is a JSON file `manifests/<family>/checkpoints/<format>.json` (one pe
                          {"op": "fuse",      "match", "to": "template", "dim": 0, "part": "\\2", "parts": ["a", "b"]}
                                 every source whose `part` expands to one of `parts` is concatenated into
                                 `to` along `dim`, in `parts` order; all parts must be present
-                         {"op": "drop",      "match", "reason": "why this tensor is not needed"}
+                         {"op": "drop",      "match", "reason": "why this tensor is not needed",
+                                "equals"?: "source.key"}    a tied copy: refused unless bitwise equal to that key
                          {"op": "sidecar",   "match", "sidecar": "vision_encoder", "to": "template", "reason"}
                                 not canonical; dropped (reason reported) unless --keep-sidecars, then written
                                 to OUT/<sidecar>/ under the `to` key
@@ -41,6 +42,8 @@ A manifest is a JSON file `manifests/<family>/checkpoints/<format>.json` (one pe
                                 config fields, e.g. num_res_blocks)
                          "let": {"stage": "g1 // (num_res_blocks + 2)"}   integers substituted into `to` as
                                 {stage} (only in rules that have a `let`; others keep `{` literal)
+    component          optional: which component kind of the family the format converts (e.g. wan "transformer",
+                       "text_encoder", "vae"); default: the family's first component (converters/families.py)
     fills              optional list of the family's canonical parts this format fills (default: all);
                        a format filling fewer makes a *partial* canonical checkpoint (parts recorded in OUT)
     dtype_policy       {"default": "source", "keep_fp32": [regex on canonical keys],
@@ -75,7 +78,7 @@ WEIGHT_KINDS = ("safetensors", "safetensors_index", "torch")
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 PARITY_LEVELS = ("C0", "C1", "C2", "C3", "C4")
 _TOP_FIELDS = {"schema", "family", "format", "description", "conversion_version", "upstream", "files",
-               "config_mapping", "normalize", "rules", "fills", "dtype_policy", "parity"}
+               "config_mapping", "normalize", "rules", "fills", "dtype_policy", "parity", "component"}
 _UPSTREAM_FIELDS = {"source", "package", "version", "revision", "url", "note", "class_name", "model_types"}
 _COMMON = {"op", "match", "name", "note", "where"}
 _RULE_FIELDS = {
@@ -84,7 +87,7 @@ _RULE_FIELDS = {
     "reshape": _COMMON | {"to", "let"},
     "split": _COMMON | {"to", "dim", "let"},
     "fuse": _COMMON | {"to", "dim", "part", "parts", "let"},
-    "drop": _COMMON | {"reason"},
+    "drop": _COMMON | {"reason", "equals"},
     "sidecar": _COMMON | {"to", "sidecar", "reason", "let"},
 }
 _GROUP_REF = re.compile(r"\\(\d+)|\\g<([^>]*)>")
@@ -112,6 +115,7 @@ class Rule:
     part: str | None = None
     parts: tuple[str, ...] | None = None
     sidecar: str | None = None
+    equals: str | None = None                        # drop only: a tied copy; must equal this source key bitwise
     let: tuple[tuple[str, str], ...] | None = None   # ordered (name, expression): computed template values
     where: str | None = None                         # guard expression
     pattern: re.Pattern = field(init=False, repr=False, compare=False)
@@ -230,7 +234,7 @@ class Rule:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"op": self.op, "match": self.match}
-        for k in ("to", "dims", "dim", "part", "parts", "sidecar", "reason", "name", "note", "where"):
+        for k in ("to", "dims", "dim", "part", "parts", "sidecar", "reason", "equals", "name", "note", "where"):
             v = getattr(self, k)
             if v is not None:
                 d[k] = list(v) if isinstance(v, tuple) else v
@@ -344,6 +348,7 @@ class CheckpointManifest:
     fills: tuple[str, ...] | None = None
     parity: ParityRequirement = field(default_factory=ParityRequirement)
     expected_files: tuple[ExpectedFile, ...] = ()
+    component: str | None = None                             # None: the family's default component
     schema: str = SCHEMA
     origin: str = field(default="<memory>", compare=False)   # file it was loaded from (for messages)
     sha256: str | None = field(default=None, compare=False)  # of that file
@@ -503,6 +508,9 @@ class CheckpointManifest:
                 need(isinstance(r.reason, str) and r.reason.strip() != "", f"{rw}: a sidecar rule needs a 'reason'")
             else:
                 need(r.sidecar is None, f"{rw}: 'sidecar' belongs to sidecar rules")
+            if r.equals is not None:
+                need(r.op == "drop" and isinstance(r.equals, str) and r.equals != "",
+                     f"{rw}: 'equals' (a tied copy's source key) belongs to drop rules")
                 need(r.reason is None, f"{rw}: 'reason' belongs to drop and sidecar rules")
         if self.fills is not None:
             need(len(self.fills) > 0 and all(isinstance(p, str) and p for p in self.fills)
@@ -546,6 +554,8 @@ class CheckpointManifest:
         d["rules"] = [r.to_dict() for r in self.rules]
         if self.fills is not None:
             d["fills"] = list(self.fills)
+        if self.component is not None:
+            d["component"] = self.component
         d["dtype_policy"] = self.dtype_policy.to_dict()
         d["parity"] = self.parity.to_dict()
         return d
@@ -632,7 +642,7 @@ class CheckpointManifest:
             config_mapping=d["config_mapping"], rules=tuple(rules), dtype_policy=policy,
             description=d.get("description", ""), normalize=tuple(norms),
             fills=tuple(fills) if fills is not None else None, parity=parity, expected_files=tuple(expected),
-            schema=d.get("schema", SCHEMA), origin=origin, sha256=sha256,
+            component=d.get("component"), schema=d.get("schema", SCHEMA), origin=origin, sha256=sha256,
         ).validate()
 
 
@@ -682,15 +692,16 @@ def check_against_family(m: CheckpointManifest, family) -> CheckpointManifest:
 def load_manifest(family: str, fmt: str) -> CheckpointManifest:
     """The validated manifest for converting `fmt` checkpoints of `family` (e.g. "cosmos3", "diffusers").
     `fmt` may also be a path to a manifest JSON file (a custom format)."""
-    from converters.families import get_family
+    from converters.families import family_formats, get_family
 
     fam = get_family(family)
     if fmt.endswith(".json") and ("/" in fmt or Path(fmt).is_file()):
-        return check_against_family(load_manifest_file(fmt), fam)
-    known = fam.formats()
+        m = load_manifest_file(fmt)
+        return check_against_family(m, get_family(family, m.component))
+    known = family_formats(family)
     if fmt not in known:
         raise ConversionError(f"unknown format {fmt!r} for {family}; known formats: {', '.join(known) or 'none'}")
     m = load_manifest_file(fam.checkpoints_dir / f"{fmt}.json")
     if m.family != family or m.format != fmt:
         raise ConversionError(f"checkpoint manifest {m.origin}: declares {m.id}, but is filed as {family}/{fmt}")
-    return check_against_family(m, fam)
+    return check_against_family(m, get_family(family, m.component))
