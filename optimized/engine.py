@@ -1,28 +1,27 @@
-"""The engine API: one resident model instance, the WorkUnit scheduler, requests in, latents and events out.
+"""The engine API: one resident model instance of any family, the WorkUnit scheduler, requests in, results and
+events out. It names no family: everything family-specific comes from the family's entry (`optimized.registry`).
 
     from optimized import Engine
-    engine = Engine.from_variant("tiny", seed=0)
-    result = engine.generate(request)                 # blocking
-    handle = engine.submit(request); handle.cancel()  # streaming / cancellable
+    engine = Engine.from_variant("tiny", seed=0)        # any family's variant ("tiny-2.1-t2v", "tiny-3b", ...)
+    engine = Engine.from_checkpoint("OUT")              # the family is read from the checkpoint
+    result = engine.generate(request)                   # blocking; the request's type picks the loop
+    handle = engine.submit(request); handle.cancel()    # streaming / cancellable
+    handle = engine.submit_video(num_frames=9, ...)     # a family's request builder ("video") -> submit
+    prog = engine.reason_then_generate(r, g)            # a family's program
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes, load_variant
-from manifests import ManifestError
-from manifests.cosmos3.sampling import Cosmos3GenerateRequest, video_request
-from manifests.cosmos3.reasoning import ReasonRequest
-from optimized.models.cosmos3.loops import DenoiseJob, FlowDenoiseLoop
-from optimized.models.cosmos3.reasoner import ARDecodeLoop, ReasonJob
-from optimized.models.cosmos3.model import Cosmos3Fast
+from optimized.registry import UnknownFamily, family, family_of_config, family_of_variant
 from optimized.runtime.events import Event, EventBus
+from optimized.runtime.family import FamilyEntry, LoopOptions
+from optimized.runtime.loop import LoopKernel
 from optimized.runtime.scheduler import RequestRecord, RequestRejected, WorkUnitScheduler
 
 __all__ = ["Engine", "RequestHandle", "RequestRejected"]
@@ -48,7 +47,7 @@ class RequestHandle:
     def cancel(self) -> None:
         self.engine.scheduler.cancel(self.request_id)
 
-    def result(self) -> dict:
+    def result(self) -> Any:
         """Drive the engine until this request ends; its result, or an error saying why there is none."""
         self.engine.scheduler.run_until(lambda: self.record.status in ("completed", "cancelled", "failed"))
         if self.record.status != "completed":
@@ -58,80 +57,131 @@ class RequestHandle:
 
 
 class Engine:
-    def __init__(self, fast: Cosmos3Fast, cfg_policy: str = "batched", memory_budget_bytes: int = 8 << 30,
-                 tick_budget_seconds: float = float("inf"), max_batch: int = 16, kv_blocks: int = 512,
-                 kv_block_size: int = 16):
-        self.model = fast
+    def __init__(self, instance: Any, entry: FamilyEntry, cfg_policy: str = "batched",
+                 memory_budget_bytes: int = 8 << 30, tick_budget_seconds: float = float("inf"), max_batch: int = 16,
+                 kv_blocks: int = 512, kv_block_size: int = 16, group: Any = None):
+        self.model = instance
+        self.family = entry
+        self.options = LoopOptions(cfg_policy, kv_blocks, kv_block_size, group)
         self.bus = EventBus()
         self.scheduler = WorkUnitScheduler(memory_budget_bytes, tick_budget_seconds, max_batch, self.bus)
-        self.denoise = FlowDenoiseLoop(fast, cfg_policy)
-        self.reasoning = ARDecodeLoop(fast, kv_blocks, kv_block_size)  # same resident instance, same scheduler
-        fast.und_cache.subscribe(lambda ev: self.bus.emit(Event(
-            "trace.cache", None, self.scheduler.tick_count,
-            {"store": ev.store, "op": ev.op, "key": ev.key.short(), "nbytes": ev.nbytes})))
+        self._loops: dict[str, LoopKernel] = {}   # built on first use, one kernel per loop name
+        for cache in entry.caches(instance):      # cache decisions join the engine's event stream
+            cache.subscribe(lambda ev: self.bus.emit(Event(
+                "trace.cache", None, self.scheduler.tick_count,
+                {"store": ev.store, "op": ev.op, "key": ev.key.short(), "nbytes": ev.nbytes})))
 
     # ---- construction
     @classmethod
-    def from_state_dict(cls, cfg: Cosmos3Config, state: dict[str, torch.Tensor], device: str = "cpu",
+    def from_weights(cls, cfg: Any, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
+                     dtype: torch.dtype = torch.float32, weights_version: str | None = None, **kw) -> "Engine":
+        """Canonical weights by component (the family is the one whose config class `cfg` is)."""
+        entry = family_of_config(cfg)
+        return cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=weights_version), entry, **kw)
+
+    @classmethod
+    def from_state_dict(cls, cfg: Any, state: dict[str, torch.Tensor], device: str = "cpu",
                         dtype: torch.dtype = torch.float32, weights_version: str | None = None, **kw) -> "Engine":
-        return cls(Cosmos3Fast(cfg, state, device=device, dtype=dtype, weights_version=weights_version), **kw)
+        """A single-component family's canonical state dict (e.g. the cosmos3 transformer)."""
+        entry = family_of_config(cfg)
+        comps = [c.component_id for c in entry.components(cfg)]
+        if len(comps) != 1:
+            raise ValueError(f"{entry.name} has components {comps}: use Engine.from_weights(cfg, {{component: "
+                             f"state}})")
+        return cls.from_weights(cfg, {comps[0]: state}, device, dtype, weights_version, **kw)
 
     @classmethod
     def from_variant(cls, variant: str, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                     **kw) -> "Engine":
-        """Seeded random weights at a variant's shapes (benchmarks at released sizes; smoke runs)."""
-        cfg = load_variant(variant)
-        g = torch.Generator().manual_seed(seed)
-        state = {k: (torch.randn(shape, generator=g) * 0.02 + (1.0 if k.endswith("norm.weight") else 0.0))
-                 for k, shape in sorted(canonical_key_shapes(cfg).items())}
-        return cls.from_state_dict(cfg, state, device, dtype, weights_version=f"random:{variant}:{seed}", **kw)
+                     family: str | None = None, **kw) -> "Engine":
+        """Seeded random weights at a variant's shapes (benchmarks at released sizes; smoke runs). The family is
+        the one whose variants include the name; `family=` picks one when several do."""
+        entry = family_of_variant(variant, family)
+        return cls(entry.random_variant(variant, seed, device, dtype), entry, **kw)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                         **kw) -> "Engine":
-        """A canonical checkpoint directory written by fvconvert (config.json + model*.safetensors)."""
-        from safetensors.torch import load_file
+        """A canonical checkpoint written by fvconvert (single-component dir or whole-model dir). The family and
+        the weights version are read from it (tensors are never hashed); partial checkpoints are refused."""
+        from manifests.checkpoint import CheckpointError, load_state, read_checkpoint
 
-        path = Path(path)
-        cfg = Cosmos3Config.from_dict(json.loads((path / "config.json").read_text()))
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(path.glob("model*.safetensors")):
-            state.update(load_file(str(f)))
-        report = path / "conversion_report.json"
-        version = json.loads(report.read_text()).get("outputs_sha256") if report.is_file() else None
-        return cls.from_state_dict(cfg, state, device, dtype, weights_version=str(version) if version else None, **kw)
+        ckpt = read_checkpoint(path)
+        try:
+            entry = family(ckpt.family)
+        except UnknownFamily as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        if ckpt.partial:
+            holes = {name: list(c.parts_unfilled) for name, c in ckpt.components.items() if c.partial}
+            raise CheckpointError(f"{path}: a partial checkpoint (missing parts {holes}); the engine needs every "
+                                  f"part of every component")
+        cfg = ckpt.typed_config()
+        if not isinstance(cfg, entry.config_class):
+            raise CheckpointError(f"{path}: holds a {type(cfg).__name__} ({', '.join(ckpt.components)}), not a "
+                                  f"whole {entry.name} model ({entry.config_class.__name__}); convert the whole "
+                                  f"model directory")
+        need = [c.component_id for c in entry.components(cfg)]
+        missing = [n for n in need if n not in ckpt.components]
+        if missing:
+            raise CheckpointError(f"{path}: {entry.name} needs components {need}; missing {missing}")
+        weights = {n: load_state(ckpt, component=n if ckpt.is_model else None) for n in need}
+        return cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=ckpt.weights_version),
+                   entry, **kw)
+
+    # ---- loops
+    def loop(self, name: str) -> LoopKernel:
+        """The family's loop kernel `name`, built once per engine (one kernel per loop: the scheduler batches by it)."""
+        if name not in self._loops:
+            if name not in self.family.loops:
+                raise KeyError(f"{self.family.name} has no loop {name!r}; loops: {sorted(self.family.loops)}")
+            self._loops[name] = self.family.loops[name](self.model, self.options)
+        return self._loops[name]
 
     # ---- requests
-    def submit(self, request: Cosmos3GenerateRequest, record_trajectory: bool = False,
-               request_id: str | None = None) -> RequestHandle:
-        """Validate and queue; raises RequestRejected (one clear message) for an invalid or impossible request."""
-        return RequestHandle(self, self.scheduler.submit(self.denoise, DenoiseJob(request, record_trajectory),
-                                                         request_id))
-
-    def submit_video(self, *, num_frames: int, height: int, width: int, **kw) -> RequestHandle:
-        """Submit from pixel sizes (num_frames 4k + 1, height/width multiples of 16)."""
+    def submit(self, request: Any, *, request_id: str | None = None, **options: Any) -> RequestHandle:
+        """Validate and queue; the request's type picks the loop (`options` go to the loop's job, e.g.
+        record_trajectory=True). Raises RequestRejected (one clear message) for an invalid or impossible request."""
         try:
-            request = video_request(self.model.cfg, num_frames=num_frames, height=height, width=width, **kw)
-        except (ManifestError, TypeError) as e:
+            name = self.family.loop_for(request)
+            job = self.family.make_job(name, request, **options)
+        except TypeError as e:
             raise RequestRejected(str(e)) from None
-        return self.submit(request)
+        return RequestHandle(self, self.scheduler.submit(self.loop(name), job, request_id))
 
-    def generate(self, request: Cosmos3GenerateRequest, record_trajectory: bool = False) -> dict:
-        return self.submit(request, record_trajectory).result()
+    def generate(self, request: Any, **options: Any) -> Any:
+        return self.submit(request, **options).result()
 
-    def submit_reasoning(self, request: ReasonRequest, record_logits: bool = False, export_und_kv: bool = False,
-                         request_id: str | None = None) -> RequestHandle:
-        """Queue AR text decoding through the und pathway + lm_head; raises RequestRejected on bad input."""
-        return RequestHandle(self, self.scheduler.submit(self.reasoning, ReasonJob(request, record_logits,
-                                                                                   export_und_kv), request_id))
+    submit_reasoning = submit     # the request's type picks the loop: reasoning requests go to the reasoning loop
+    reason = generate
 
-    def reason(self, request: ReasonRequest, record_logits: bool = False) -> dict:
-        return self.submit_reasoning(request, record_logits).result()
+    def build(self, kind: str, **kw: Any) -> Any:
+        """A request from the family's builder `kind` (e.g. "video": from pixel sizes); RequestRejected if invalid."""
+        if kind not in self.family.request_builders:
+            raise AttributeError(f"{self.family.name} has no request builder {kind!r}; builders: "
+                                 f"{sorted(self.family.request_builders)}")
+        try:
+            return self.family.request_builders[kind](self.model, **kw)
+        except (ValueError, TypeError) as e:
+            raise RequestRejected(str(e)) from None
 
-    def reason_then_generate(self, reasoning: ReasonRequest, generation: Cosmos3GenerateRequest):
-        """One program on this instance: reasoning, then denoising with the reasoned text as the prompt."""
-        from optimized.programs import reason_then_generate
-        return reason_then_generate(self, reasoning, generation)
+    def run_program(self, name: str, *args: Any, **kw: Any) -> Any:
+        if name not in self.family.programs:
+            raise AttributeError(f"{self.family.name} has no program {name!r}; programs: "
+                                 f"{sorted(self.family.programs)}")
+        return self.family.programs[name](self, *args, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        """Family conveniences: `submit_<kind>(**kw)` for a request builder, `<program>(...)` for a program, and
+        `<loop name>` for a loop kernel (e.g. `engine.denoise`)."""
+        entry = self.__dict__.get("family")
+        if entry is None:
+            raise AttributeError(name)
+        if name.startswith("submit_") and name[7:] in entry.request_builders:
+            return lambda **kw: self.submit(self.build(name[7:], **kw))
+        if name in entry.programs:
+            return lambda *a, **kw: self.run_program(name, *a, **kw)
+        if name in entry.loops:
+            return self.loop(name)
+        raise AttributeError(f"Engine ({entry.name}) has no attribute {name!r}")
 
     def subscribe(self, fn: Callable[[Event], Any], prefix: str = "") -> Callable[[], None]:
         return self.bus.subscribe(fn, prefix)

@@ -1,18 +1,16 @@
 """Programs: several loops of one resident model instance composed into one user-level request.
 
-`reason_then_generate`: AR reasoning through the und pathway (e.g. to enrich the prompt), then denoising
-with the reasoning's text as the generation prompt, on the same ModelInstance. The reasoning hands its
-und-stream K/V to the generator's cache (the CacheKey is the text's content hash, so the generator hits it
-exactly when its prompt is that text).
+`chain(engine, first, then, ...)`: submit `first`; when it completes, submit `then(first's result)` on the same
+engine (same instance, same scheduler). A family's programs (e.g. cosmos3's `reason_then_generate`: AR reasoning,
+then denoising with the reasoned text as the prompt) are built from it and exposed through its entry's `programs`.
+The chain's event subscription is removed as soon as the second request is submitted or the first ends without a
+result, so an engine running many programs does not accumulate subscribers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
-from manifests.cosmos3.reasoning import ReasonRequest
-from manifests.cosmos3.sampling import Cosmos3GenerateRequest
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from optimized.engine import Engine, RequestHandle
@@ -21,32 +19,48 @@ if TYPE_CHECKING:
 @dataclass
 class ProgramHandle:
     engine: "Engine"
-    reasoning: "RequestHandle"
-    generation_template: Cosmos3GenerateRequest
-    generation: "RequestHandle | None" = None
+    first: "RequestHandle"
+    then: Callable[[Any], Any]                       # first's result -> the second request
+    then_options: dict = field(default_factory=dict)
+    names: tuple[str, str] = ("first", "second")     # result keys (and attribute aliases)
+    second: "RequestHandle | None" = None
+    _unsubscribe: Callable[[], None] | None = None
 
     def _on_event(self, ev) -> None:
-        if ev.request_id == self.reasoning.request_id and ev.kind == "request.completed" and self.generation is None:
-            text = self.reasoning.record.result["text_ids"]
-            req = replace(self.generation_template, text_ids=text)
-            self.generation = self.engine.submit(req)
+        if ev.request_id != self.first.request_id or ev.kind not in ("request.completed", "request.cancelled",
+                                                                     "request.failed"):
+            return
+        self._detach()
+        if ev.kind == "request.completed" and self.second is None:
+            self.second = self.engine.submit(self.then(self.first.record.result), **self.then_options)
+
+    def _detach(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def __getattr__(self, name: str):
+        names = self.__dict__.get("names", ())
+        if name in names:
+            return self.first if name == names[0] else self.second
+        raise AttributeError(name)
 
     def cancel(self) -> None:
-        self.reasoning.cancel()
-        if self.generation is not None:
-            self.generation.cancel()
+        self.first.cancel()
+        if self.second is not None:
+            self.second.cancel()
 
     def result(self) -> dict:
-        reasoning = self.reasoning.result()
-        self.engine.scheduler.run_until(lambda: self.generation is not None)
-        if self.generation is None:
-            raise RuntimeError("reasoning finished but the generation was never submitted")
-        return {"reasoning": reasoning, "generation": self.generation.result()}
+        first = self.first.result()
+        self.engine.scheduler.run_until(lambda: self.second is not None)
+        if self.second is None:
+            raise RuntimeError(f"{self.names[0]} finished but the {self.names[1]} was never submitted")
+        return {self.names[0]: first, self.names[1]: self.second.result()}
 
 
-def reason_then_generate(engine: "Engine", reasoning: ReasonRequest,
-                         generation: Cosmos3GenerateRequest) -> ProgramHandle:
-    """`generation.text_ids` is replaced by the reasoning's prompt + generated text (a final EOS dropped)."""
-    handle = ProgramHandle(engine, engine.submit_reasoning(reasoning, export_und_kv=True), generation)
-    engine.subscribe(handle._on_event, prefix="request.completed")
+def chain(engine: "Engine", first: Any, then: Callable[[Any], Any], *, first_options: dict | None = None,
+          then_options: dict | None = None, names: tuple[str, str] = ("first", "second")) -> ProgramHandle:
+    handle = ProgramHandle(engine, engine.submit(first, **(first_options or {})), then, dict(then_options or {}),
+                           names)
+    handle._unsubscribe = engine.subscribe(handle._on_event, prefix="request.")
     return handle

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from manifests.cosmos3 import load_variant
 from parity.errors import SetupError
-from parity.families import cosmos3_c4 as c4
+from parity.families.cosmos3 import c4
 from parity.golden import load_case
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def test_metrics():
 
 
 def test_optimized_encode_seam_matches_reference():
-    import optimized.models.cosmos3.sound as opt_sound
+    import optimized.models.cosmos3.vae_chain as opt_sound
     import optimized.models.wan as opt_wan
     import reference.wan as ref_wan
     vcfg = c4.c4_vae_config(8)

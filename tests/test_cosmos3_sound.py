@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from manifests.cosmos3.sound import canonical_key_shapes, list_variants, load_variant
-from parity import vae_checks
+from parity.families import cosmos3_sound as vae_checks
 from parity.golden import load_case
 
 import optimized.models.cosmos3.sound as opt
@@ -100,7 +100,8 @@ def test_cosmos3_decode_seam_both_sides():
     s = torch.randn(scfg.latent_dim, 6)
     want_v, want_a = ref.decode_cosmos3_outputs(ref_wan.load_vae(vcfg, vstate), ref.load_sound_tokenizer(scfg, sstate), z, s)
     seen = []
-    got_v, got_a = opt.decode_cosmos3_outputs(opt_wan.load_fast_vae(vcfg, vstate), opt.load_fast_sound_decoder(scfg, sstate),
+    from optimized.models.cosmos3.vae_chain import decode_cosmos3_outputs
+    got_v, got_a = decode_cosmos3_outputs(opt_wan.load_fast_vae(vcfg, vstate), opt.load_fast_sound_decoder(scfg, sstate),
                                               z, s, on_chunk=seen.append)
     assert len(seen) == 2 and got_v.shape == want_v.shape == (1, 3, 5, 32, 32) and got_a.shape == (2, 6 * scfg.hop)
     assert ((got_v - want_v).norm() / want_v.norm()) < 1e-5 and torch.allclose(got_a, want_a, atol=1e-6)

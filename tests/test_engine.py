@@ -65,11 +65,13 @@ def test_pixel_sizes_validated(sizes, message):
 
 def test_request_that_can_never_fit_is_rejected_one_that_cannot_fit_now_waits():
     eng = engine()
-    need = eng.denoise.admission(eng.denoise.init_state(request())).device_bytes
+    state = eng.denoise.init_state(request())
+    held = eng.denoise.admission(state).device_bytes
+    need = held + eng.denoise.plan_step(state).resources.device_bytes   # held for life + its step's bytes
     small = engine(memory_budget_bytes=need - 1)
     with pytest.raises(RequestRejected, match="can never fit"):
         small.submit(request())
-    tight = engine(memory_budget_bytes=int(need * 1.5))
+    tight = engine(memory_budget_bytes=need + held // 2)
     a, b = tight.submit(request(seed=1)), tight.submit(request(seed=2))
     tight.step()
     assert a.status == "running" and b.status == "waiting"

@@ -12,6 +12,7 @@ from manifests.wan import canonical_key_shapes, load_variant
 from parity.weights import random_state_dict
 
 import optimized.models.wan as opt
+from optimized.runtime.scheduler import run_request
 from optimized.models.wan import vae as V
 
 SLOW = ("aten::slow_conv3d_forward", "aten::_slow_conv2d_forward", "aten::slow_conv3d", "aten::_slow_conv2d")
@@ -25,8 +26,8 @@ def test_chunked_decode_and_encode_avoid_the_slow_conv_fallback():
     z = torch.randn(1, cfg.z_dim, 3, 2, 3)
     video = torch.rand(1, 3, 5, 32, 48) * 2 - 1
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
-        opt.run(opt.WanVaeDecodeKernel(fast), opt.DecodeRequest("d", z, 1))
-        opt.run(opt.WanVaeEncodeKernel(fast), opt.EncodeRequest("e", video, 1))
+        run_request(opt.WanVaeDecodeKernel(fast), opt.DecodeRequest("d", z, 1))
+        run_request(opt.WanVaeEncodeKernel(fast), opt.EncodeRequest("e", video, 1))
     numel = lambda shape: torch.Size(shape).numel()
     big_slow = [(e.name, e.input_shapes[0]) for e in p.events()
                 if e.name in SLOW and e.input_shapes and numel(e.input_shapes[0]) >= V.MKLDNN_MIN_NUMEL]

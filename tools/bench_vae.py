@@ -37,9 +37,10 @@ def one_side(args) -> dict:
         run = lambda: model.decode(z)
     else:
         import optimized.models.wan as opt
+        from optimized.runtime.scheduler import run_request
         fast = opt.load_fast_vae(cfg, state, args.device, dtype)
         kernel = opt.WanVaeDecodeKernel(fast)
-        run = lambda: opt.run(kernel, opt.DecodeRequest("bench", z, args.chunk))
+        run = lambda: run_request(kernel, opt.DecodeRequest("bench", z, args.chunk), memory_budget_bytes=1 << 40)
     del state
     cuda = args.device.startswith("cuda")
     if cuda:

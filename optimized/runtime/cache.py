@@ -48,18 +48,13 @@ class CacheKey:
     shape_signature: str
     layout_signature: str
     cache_contract_version: str
-    loop_id: str | None = None
     parallel_plan_hash: str = "single"
     input_hashes: tuple[tuple[str, str], ...] = ()   # sorted (name, hash) pairs; a dict is accepted and sorted
-    adapter_versions: tuple[tuple[str, str], ...] = ()
-    scheduler_signature: str | None = None
-    guidance_signature: str | None = None
-    seed: int | None = None
-    step_index: int | None = None
+    seed: int | None = None                          # for values that depend on sampled noise
+    step_index: int | None = None                    # for per-step values (e.g. a denoise-step cache)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_hashes", _pairs(self.input_hashes))
-        object.__setattr__(self, "adapter_versions", _pairs(self.adapter_versions))
         self.validate()
 
     def validate(self) -> "CacheKey":
@@ -68,10 +63,9 @@ class CacheKey:
             v = getattr(self, name)
             if not isinstance(v, str) or not v:
                 raise CacheKeyError(f"CacheKey.{name} must be a non-empty string, got {v!r}")
-        for name in ("input_hashes", "adapter_versions"):
-            names = [k for k, _ in getattr(self, name)]
-            if len(set(names)) != len(names):
-                raise CacheKeyError(f"CacheKey.{name} has duplicate names: {names}")
+        names = [k for k, _ in self.input_hashes]
+        if len(set(names)) != len(names):
+            raise CacheKeyError(f"CacheKey.input_hashes has duplicate names: {names}")
         if self.step_index is not None and self.step_index < 0:
             raise CacheKeyError(f"CacheKey.step_index must be >= 0, got {self.step_index}")
         return self

@@ -1,5 +1,6 @@
 """Typed runtime events. Kinds: request.accepted, request.rejected, request.admitted, request.preempted,
-request.cancelled, request.completed, request.failed, trace.step, trace.scheduler, trace.cache."""
+request.cancelled, request.completed, request.failed, request.output (a streamed piece of a result, e.g. a decoded
+video chunk), trace.step, trace.scheduler, trace.cache."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 EVENT_KINDS = ("request.accepted", "request.rejected", "request.admitted", "request.preempted", "request.cancelled",
-               "request.completed", "request.failed", "trace.step", "trace.scheduler", "trace.cache")
+               "request.completed", "request.failed", "request.output", "trace.step", "trace.scheduler", "trace.cache")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A `LoopKernel` turns a request into typed loop state (`init_state`), says what the next step needs without
 doing it (`plan_step`, pure: same state -> same plan), runs the planned step for one or several requests at
 once (`run_step`, the only place that computes), and turns finished state into a result (`finalize`).
-Cancellation and preemption happen only between steps, at plans marked `cancel_boundary`.
+Cancellation and preemption happen only between steps, at plans marked `cancel_boundary`. The one driver is
+`optimized.runtime.scheduler.WorkUnitScheduler` (`run_request` / `stream_request` there for a single request).
 """
 
 from __future__ import annotations
@@ -29,17 +30,18 @@ class ResourceRequest:
 
 @dataclass(frozen=True)
 class WorkPlan:
-    request_id: str
+    """Every field is read by the scheduler: request_id (filled in by it), loop_id / phase / shape_signature (cost
+    model key, trace), step_index (trace), batch_key (grouping), resources (step memory gate + cost), cache_reads
+    (trace), cancel_boundary (cancel / preempt gate), info (trace only)."""
+    request_id: str                    # the scheduler's request id (it replaces whatever the kernel put here)
     loop_id: str                       # e.g. "cosmos3.denoise", "wan.vae_decode"
     phase: str                         # e.g. "denoise_step", "vae_decode_chunk", "ar_token"
     step_index: int
-    batch_key: Hashable                # plans with equal keys may run in one `run_step` call
-    resources: ResourceRequest = ResourceRequest()
+    batch_key: Hashable                # plans with equal keys may run in one `run_step` call (shape for fixed bodies)
+    resources: ResourceRequest = ResourceRequest()   # device_bytes: transient memory of this step, on top of admission
     cache_reads: tuple[CacheKey, ...] = ()
-    cache_writes: tuple[CacheKey, ...] = ()
-    graph_key: str | None = None       # fixed-shape step bodies share a captured graph per key (CUDA)
     cancel_boundary: bool = True       # the request may be cancelled / preempted before this step
-    shape_signature: str = ""          # (model, phase, shape) -> cost model calibration key
+    shape_signature: str = ""          # (loop, phase, shape) -> cost model calibration key
     info: dict = field(default_factory=dict, compare=False)  # trace-only details (never read by the runtime)
 
 
@@ -80,14 +82,8 @@ class LoopKernel(ABC, Generic[State]):
     def release(self, state: State) -> None:
         """Free what the request holds (cache entries, reservations) on completion or cancellation."""
 
+    def step_output(self, state: State, plan: WorkPlan) -> Any | None:
+        """What the step just run streams out (e.g. a decoded video chunk), emitted as a `request.output` event;
+        None = nothing to stream."""
+        return None
 
-def run_to_completion(kernel: LoopKernel[State], request: Any) -> Any:
-    """The simplest driver: one request, eager, step by step (the scheduler batches many)."""
-    state = kernel.init_state(request)
-    try:
-        while not kernel.is_done(state):
-            plan = kernel.plan_step(state)
-            (state,) = kernel.run_step([state], [plan])
-        return kernel.finalize(state)
-    finally:
-        kernel.release(state)

@@ -1,13 +1,22 @@
 """The WorkUnit scheduler: running-first, reservation-gated admission, one cost currency, cross-request batching.
 
+Memory: a request holds its `admission()` bytes for its whole life; each step also needs its plan's
+`resources.device_bytes` while it runs. A request is refused at submission when its admission plus its first step
+can never fit the budget, admitted when they fit beside what running requests hold, and a batch is split so that
+held bytes + the batch's step bytes fit.
+
 Each `tick()`:
-  1. retire cancelled / preempted requests at the step boundary (their reservations and caches are freed);
-  2. admit waiting requests in arrival order while their reservation fits (a request that can never fit was
-     refused at submission; one that cannot fit now waits);
+  1. retire cancelled / preempted requests at a step boundary (a plan with `cancel_boundary`; reservations and
+     caches are freed);
+  2. admit waiting requests in arrival order while their reservation fits (one that cannot fit now waits);
   3. plan one step for every running request (`plan_step` is pure), group plans by `batch_key`;
   4. run groups (running requests first, oldest first) while the tick's predicted device-seconds fit the
-     budget (the first group always runs, so nothing starves), one `run_step` call per group;
-  5. measure, calibrate the cost model, emit `trace.step`, finish requests whose loop is done.
+     budget (the first group always runs, so nothing starves), one `run_step` call per memory-fitting batch;
+  5. measure, calibrate the cost model, emit `trace.step` (and `request.output` for what a step streams out),
+     finish requests whose loop is done.
+
+`run_request` / `run_requests` / `stream_request` drive a bare kernel through a private scheduler (no engine):
+the scheduler is the only loop driver.
 """
 
 from __future__ import annotations
@@ -15,8 +24,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator, Sequence
 
 from optimized.runtime.events import Event, EventBus
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
@@ -24,6 +33,10 @@ from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
 
 class RequestRejected(ValueError):
     """A request refused at submission (invalid, or can never fit); the message says why."""
+
+
+class RequestFailed(RuntimeError):
+    """A request that ended without a result (failed or cancelled); the message says why."""
 
 
 class CostModel:
@@ -78,6 +91,7 @@ class WorkUnitScheduler:
         self.waiting: list[str] = []
         self.running: list[str] = []
         self.reserved_bytes = 0
+        self.peak_bytes = 0               # most bytes held + stepping at once (reservations + a batch's step bytes)
         self.tick_count = 0
         self._ids = itertools.count()
         self._deferred: set = set()
@@ -100,10 +114,11 @@ class WorkUnitScheduler:
             self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": str(e)}))
             raise RequestRejected(str(e)) from None
         need = kernel.admission(state)
-        if need.device_bytes > self.memory_budget_bytes or not kernel.fits_ever(state):
+        first_step = kernel.plan_step(state).resources.device_bytes
+        if need.device_bytes + first_step > self.memory_budget_bytes or not kernel.fits_ever(state):
             kernel.release(state)
-            reason = (f"request needs {need.device_bytes} bytes, more than the whole budget "
-                      f"({self.memory_budget_bytes}) or the loop's own pool; it can never fit")
+            reason = (f"request needs {need.device_bytes} bytes held + {first_step} bytes for its first step, more "
+                      f"than the whole budget ({self.memory_budget_bytes}) or the loop's own pool; it can never fit")
             self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": reason}))
             raise RequestRejected(reason)
         rec = RequestRecord(rid, kernel, state, need, arrival=len(self.records))
@@ -138,15 +153,19 @@ class WorkUnitScheduler:
             self.tick()
 
     # ------------------------------------------------------------------ one iteration
+    def _plan(self, rec: RequestRecord) -> WorkPlan:
+        plan = rec.kernel.plan_step(rec.state)
+        return plan if plan.request_id == rec.request_id else replace(plan, request_id=rec.request_id)
+
     def tick(self) -> None:
         self.tick_count += 1
         self._retire_at_boundary()
         self._admit()
-        plans = {rid: self.records[rid].kernel.plan_step(self.records[rid].state) for rid in self.running}
+        plans = {rid: self._plan(self.records[rid]) for rid in self.running}
         groups: dict[tuple[int, Any], list[str]] = defaultdict(list)
         for rid in self.running:  # running order = admission order: oldest first
             groups[(id(self.records[rid].kernel), plans[rid].batch_key)].append(rid)
-        spent, ran, deferred = 0.0, [], set()
+        spent, ran, deferred, starved = 0.0, [], set(), []
         # groups deferred last tick go first (aging), so no loop kind starves behind another
         order = sorted(groups.items(), key=lambda item: item[0] not in self._deferred)
         for group_key, rids in order:
@@ -155,17 +174,51 @@ class WorkUnitScheduler:
                 if ran and spent + predicted > self.tick_budget_seconds:
                     deferred.add(group_key)  # the first group always runs
                     continue
-                self._run_group(chunk, [plans[r] for r in chunk], group_key[1])
+                for batch in self._memory_batches(chunk, plans, starved):
+                    self._run_group(batch, [plans[r] for r in batch], group_key[1])
+                    ran.append(group_key)
                 spent += predicted
-                ran.append(group_key)
+        if not ran and starved:  # every step waits on memory held by others: send the newest back to waiting
+            victim = self.running[-1]
+            if victim != starved[0]:
+                self.preempt(victim)
         self._deferred = deferred
         self._emit("trace.scheduler", None, running=list(self.running), waiting=list(self.waiting),
                    groups=len(ran), predicted_seconds=spent, reserved_bytes=self.reserved_bytes)
         self._finish_done()
 
+    def _memory_batches(self, rids: list[str], plans: dict[str, WorkPlan], starved: list[str]) -> list[list[str]]:
+        """Split a group into batches whose step bytes fit beside the held reservations; a request whose step can
+        never fit fails, one that cannot fit now waits for the next tick (appended to `starved`)."""
+        room = self.memory_budget_bytes - self.reserved_bytes
+        batches: list[list[str]] = []
+        current, used = [], 0
+        for rid in rids:
+            need = plans[rid].resources.device_bytes
+            rec = self.records[rid]
+            if rec.reservation.device_bytes + need > self.memory_budget_bytes:
+                rec.error = (f"step {plans[rid].step_index} ({plans[rid].phase}) needs {need} bytes beside the "
+                             f"{rec.reservation.device_bytes} it holds: more than the budget "
+                             f"{self.memory_budget_bytes}")
+                self._drop(rec, "failed")
+                self._emit("request.failed", rec, error=rec.error)
+                continue
+            if need > room:
+                starved.append(rid)
+                continue
+            if used + need > room:
+                batches.append(current)
+                current, used = [], 0
+            current.append(rid)
+            used += need
+        return batches + ([current] if current else [])
+
     def _retire_at_boundary(self) -> None:
         for rid in list(self.running) + list(self.waiting):
             rec = self.records[rid]
+            if rid in self.running and (rec.cancel_requested or rec.preempt_requested) \
+                    and not rec.kernel.plan_step(rec.state).cancel_boundary:
+                continue  # mid-way through steps that must run together: wait for the next boundary
             if rec.cancel_requested:
                 self._drop(rec, "cancelled")
                 self._emit("request.cancelled", rec, steps_run=rec.steps_run)
@@ -184,7 +237,8 @@ class WorkUnitScheduler:
             if rec.preempted_at == self.tick_count:
                 continue  # room made by a preemption goes to others this tick
 
-            if self.reserved_bytes + rec.reservation.device_bytes > self.memory_budget_bytes \
+            headroom = rec.kernel.plan_step(rec.state).resources.device_bytes  # its next step must fit too
+            if self.reserved_bytes + rec.reservation.device_bytes + headroom > self.memory_budget_bytes \
                     or not rec.kernel.reserve(rec.state):
                 break  # FIFO: later arrivals do not overtake a waiting earlier one
             self.waiting.remove(rid)
@@ -211,11 +265,19 @@ class WorkUnitScheduler:
             return
         seconds = time.perf_counter() - t0
         self.cost.observe(plans, seconds)
+        step_bytes = sum(p.resources.device_bytes for p in plans)
+        self.peak_bytes = max(self.peak_bytes, self.reserved_bytes + step_bytes)
         for rec, plan, state in zip(recs, plans, new_states):
             rec.state = state
             rec.steps_run += 1
             self._emit("trace.step", rec, loop=plan.loop_id, phase=plan.phase, step=plan.step_index,
-                       batch_size=len(recs), batch=[r.request_id for r in recs], seconds=seconds, **plan.info)
+                       batch_size=len(recs), batch=[r.request_id for r in recs], seconds=seconds,
+                       step_bytes=plan.resources.device_bytes, cache_reads=[k.short() for k in plan.cache_reads],
+                       **plan.info)
+            output = kernel.step_output(state, plan)
+            if output is not None:
+                self._emit("request.output", rec, output=output, step=plan.step_index,
+                           step_bytes=plan.resources.device_bytes, **plan.info)
 
     def _finish_done(self) -> None:
         for rid in list(self.running):
@@ -233,3 +295,48 @@ class WorkUnitScheduler:
             self.waiting.remove(rec.request_id)
         rec.kernel.release(rec.state)
         rec.status = status
+
+
+# ---------------------------------------------------------------------- one kernel, no engine
+def stream_request(kernel: LoopKernel, request: Any, *, memory_budget_bytes: int = 8 << 30,
+                   cancelled: Callable[[], bool] = lambda: False,
+                   scheduler: WorkUnitScheduler | None = None) -> Iterator[Any]:
+    """Run one request through a scheduler, yielding what each step streams out (`step_output`) as it lands; the
+    generator's return value is the result. `cancelled()` is polled before every tick (the scheduler cancels at
+    the next boundary). Raises RequestRejected at submission, RequestFailed when the request fails or is cancelled."""
+    sched = scheduler or WorkUnitScheduler(memory_budget_bytes)
+    rec = sched.submit(kernel, request)
+    seen = 0
+    while rec.status not in ("completed", "cancelled", "failed"):
+        if cancelled() and not rec.cancel_requested:
+            sched.cancel(rec.request_id)
+        sched.tick()
+        outputs = [e for e in rec.events[seen:] if e.kind == "request.output"]
+        seen = len(rec.events)
+        for ev in outputs:
+            yield ev.data["output"]
+    if rec.status != "completed":
+        raise RequestFailed(f"request {rec.request_id} {rec.status}" + (f": {rec.error}" if rec.error else ""))
+    return rec.result
+
+
+def run_request(kernel: LoopKernel, request: Any, **kw) -> Any:
+    """`stream_request` to its end; the result."""
+    gen = stream_request(kernel, request, **kw)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def run_requests(kernel: LoopKernel, requests: Sequence[Any], *, memory_budget_bytes: int = 8 << 30,
+                 max_batch: int = 16) -> list[Any]:
+    """Several requests on one scheduler (steps with equal batch_keys batched); results in order."""
+    sched = WorkUnitScheduler(memory_budget_bytes, max_batch=max_batch)
+    recs = [sched.submit(kernel, r) for r in requests]
+    sched.run_until_idle()
+    bad = [r for r in recs if r.status != "completed"]
+    if bad:
+        raise RequestFailed("; ".join(f"request {r.request_id} {r.status}: {r.error}" for r in bad))
+    return [r.result for r in recs]

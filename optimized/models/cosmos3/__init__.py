@@ -1,9 +1,81 @@
-"""cosmos3 on the v2 runtime: spec (model plane + load transforms), packing, and the fast batched model."""
+"""cosmos3 on the v2 runtime: spec (model plane + load transforms), packing, the fast batched model, and its family
+entry `FAMILY` (one resident `Cosmos3Fast` runs two loops: "denoise" and "reasoning")."""
 
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes, list_variants, load_variant
+from manifests.cosmos3.reasoning import ReasonRequest
+from manifests.cosmos3.sampling import Cosmos3GenerateRequest, video_request
 from optimized.models.cosmos3 import ops, packing
 from optimized.models.cosmos3.model import Cosmos3Fast, Cosmos3FastStats, UndKV, load_fast, run_layer
 from optimized.models.cosmos3.packing import PackedLayout, pack_layout, timestep_embedding_rows
-from optimized.models.cosmos3.spec import cosmos3_model_spec, transformer_component
+from optimized.models.cosmos3.spec import TRANSFORMER, cosmos3_model_spec, transformer_component
+from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, seeded_random_state
 
-__all__ = ["Cosmos3Fast", "Cosmos3FastStats", "PackedLayout", "UndKV", "cosmos3_model_spec", "load_fast", "ops",
-           "pack_layout", "packing", "run_layer", "timestep_embedding_rows", "transformer_component"]
+
+def _load(cfg: Cosmos3Config, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
+          dtype: torch.dtype = torch.float32, weights_version: str | None = None) -> Cosmos3Fast:
+    if set(weights) != {TRANSFORMER}:
+        raise ValueError(f"cosmos3 takes exactly one component {TRANSFORMER!r}, got {sorted(weights)}")
+    return Cosmos3Fast(cfg, weights[TRANSFORMER], device=device, dtype=dtype, weights_version=weights_version)
+
+
+def _denoise(fast: Cosmos3Fast, opts: LoopOptions):
+    from optimized.models.cosmos3.loops import FlowDenoiseLoop
+    return FlowDenoiseLoop(fast, opts.cfg_policy)
+
+
+def _reasoning(fast: Cosmos3Fast, opts: LoopOptions):
+    from optimized.models.cosmos3.reasoner import ARDecodeLoop
+    return ARDecodeLoop(fast, opts.kv_blocks, opts.kv_block_size)
+
+
+def _denoise_job(request: Cosmos3GenerateRequest, record_trajectory: bool = False):
+    from optimized.models.cosmos3.loops import DenoiseJob
+    return DenoiseJob(request, record_trajectory)
+
+
+def _reason_job(request: ReasonRequest, record_logits: bool = False, export_und_kv: bool = False):
+    from optimized.models.cosmos3.reasoner import ReasonJob
+    return ReasonJob(request, record_logits, export_und_kv)
+
+
+def _video(fast: Cosmos3Fast, **kw) -> Cosmos3GenerateRequest:
+    """From pixel sizes (num_frames 4k + 1, height/width multiples of 16)."""
+    return video_request(fast.cfg, **kw)
+
+
+def reason_then_generate(engine, reasoning: ReasonRequest, generation: Cosmos3GenerateRequest):
+    """Reasoning, then denoising with `generation.text_ids` replaced by the reasoning's prompt + generated text (a
+    final EOS dropped); the reasoning hands its und-stream K/V to the generator's cache (keyed by the text's content
+    hash, so the generator hits it exactly when its prompt is that text)."""
+    from optimized.programs import chain
+    return chain(engine, reasoning, lambda result: replace(generation, text_ids=result["text_ids"]),
+                 first_options={"export_und_kv": True}, names=("reasoning", "generation"))
+
+
+FAMILY = FamilyEntry(
+    name="cosmos3",
+    config_class=Cosmos3Config,
+    load_variant=load_variant,
+    list_variants=list_variants,
+    config_from_dict=Cosmos3Config.from_dict,
+    load=_load,
+    random_weights=lambda cfg, seed: {TRANSFORMER: seeded_random_state(canonical_key_shapes(cfg), seed)},
+    components=lambda cfg: (transformer_component(cfg),),
+    loops={"denoise": _denoise, "reasoning": _reasoning},
+    request_types={Cosmos3GenerateRequest: "denoise", ReasonRequest: "reasoning"},
+    capabilities=Capabilities(modalities=("video", "image", "sound", "action", "text"),
+                              cfg_policies=("two-forward", "batched", "identity")),
+    jobs={"denoise": _denoise_job, "reasoning": _reason_job},
+    request_builders={"video": _video},
+    programs={"reason_then_generate": reason_then_generate},
+    caches=lambda fast: (fast.und_cache,),
+)
+
+__all__ = ["Cosmos3Fast", "Cosmos3FastStats", "FAMILY", "PackedLayout", "UndKV", "cosmos3_model_spec", "load_fast",
+           "ops", "pack_layout", "packing", "run_layer", "timestep_embedding_rows", "transformer_component"]

@@ -13,13 +13,13 @@ from typing import Sequence
 
 import torch
 
-from manifests import ManifestError
 from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest
-from optimized.models.cosmos3 import unipc
 from optimized.models.cosmos3.model import Cosmos3Fast
 from optimized.runtime.cache import CacheKey
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+from optimized.solvers import unipc
+from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
 
 MODALITIES = ("vision", "sound", "action")
 
@@ -48,57 +48,6 @@ class DenoiseState:
         return self.job.request
 
 
-# ------------------------------------------------------------------------------------------------
-# CFG policies: how the branches of a batch are executed (they all combine in velocity space)
-# ------------------------------------------------------------------------------------------------
-
-class CFGPolicy:
-    name = "abstract"
-
-    def check(self, req: Cosmos3GenerateRequest) -> None:
-        pass
-
-    def run(self, fast: Cosmos3Fast, cond: list[Cosmos3ForwardInputs], uncond: list[Cosmos3ForwardInputs]):
-        raise NotImplementedError
-
-
-class TwoForwardCFG(CFGPolicy):
-    """Cond batch and uncond batch as two forwards (lower peak memory)."""
-    name = "two-forward"
-
-    def run(self, fast, cond, uncond):
-        return fast.forward_batch(cond), (fast.forward_batch(uncond) if uncond else [])
-
-
-class BatchedCFG(CFGPolicy):
-    """Both branches of every request in one varlen forward (fewer launches, one weight pass)."""
-    name = "batched"
-
-    def run(self, fast, cond, uncond):
-        preds = fast.forward_batch(cond + uncond)
-        return preds[: len(cond)], preds[len(cond):]
-
-
-class IdentityCFG(CFGPolicy):
-    """Cond only: for guidance 1 (or guidance-distilled checkpoints); refuses any other scale."""
-    name = "identity"
-
-    def check(self, req):
-        if req.uses_cfg:
-            raise ManifestError(f"the identity CFG policy runs guidance_scale 1 only, got {req.guidance_scale}")
-
-    def run(self, fast, cond, uncond):
-        return fast.forward_batch(cond), []
-
-
-CFG_POLICIES = {p.name: p for p in (TwoForwardCFG, BatchedCFG, IdentityCFG)}
-
-
-def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Velocity-space guidance, fp32, one scale for every modality."""
-    return v_uncond + scale * (v_cond - v_uncond)
-
-
 def advance(solver: unipc.UniPCState, velocity: torch.Tensor, x: torch.Tensor):
     """One UniPC step of one modality of one request."""
     return unipc.unipc_step(solver, velocity, x)
@@ -113,7 +62,7 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
 
     def __init__(self, fast: Cosmos3Fast, cfg_policy: CFGPolicy | str = "batched"):
         self.fast = fast
-        self.cfg_policy = CFG_POLICIES[cfg_policy]() if isinstance(cfg_policy, str) else cfg_policy
+        self.cfg_policy = make_policy(cfg_policy)
         self.und_refcount: dict[CacheKey, int] = {}
 
     # ---- request -> state
@@ -122,8 +71,8 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
         cfg, req = self.fast.cfg, job.request
         try:
             req.validate(cfg)
-            self.cfg_policy.check(req)
-        except ManifestError as e:
+            self.cfg_policy.check(req.uses_cfg, req.guidance_scale)
+        except ValueError as e:  # ManifestError included
             raise ValueError(str(e)) from None
         latents, vision_keep, action_keep = self._initial_latents(req)
         solvers, timesteps = {}, None
@@ -185,7 +134,7 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
             request_id="", loop_id=self.loop_id, phase="denoise_step", step_index=s.step,
             batch_key=(id(self.fast), str(self.fast.dtype), str(self.fast.device), self.cfg_policy.name),
             resources=ResourceRequest(device_bytes=act_bytes, cost_seconds=2 * tokens * branches * params_per_token / 5e10),
-            cache_reads=s.und_keys, graph_key=f"tokens={tokens};branches={branches}",
+            cache_reads=s.und_keys,
             shape_signature=f"tokens={tokens};branches={branches}",
             info={"timestep": s.timesteps[s.step], "guidance": req.guidance_scale})
 
@@ -226,7 +175,7 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
         guided = [s for s in states if s.request.uses_cfg]
         uncond = [self._inputs(s, s.request.negative_text_ids, s.timesteps[s.step]) for s in guided]
         with torch.no_grad():
-            cond_preds, uncond_preds = self.cfg_policy.run(self.fast, cond, uncond)
+            cond_preds, uncond_preds = self.cfg_policy.run(self.fast.forward_batch, cond, uncond)
         uncond_by_state = dict(zip(map(id, guided), uncond_preds))
         out = []
         for s, pc in zip(states, cond_preds):

@@ -7,6 +7,7 @@ dims but 0) and each Snake's exp(alpha), 1/(exp(beta) + 1e-9) precomputed, so a 
 `decode` runs the whole clip; `decode_chunked` runs `chunk` latent frames at a time with a halo of `halo_frames(cfg)`
 latent frames each side (the decoder's receptive radius), keeping only each chunk's centre: the same numbers as the
 whole clip, with memory bounded by the chunk, and chunks available as they finish (streaming).
+The vision VAE chain around the diffusion model (condition encode, output decode) is in `vae_chain.py`.
 """
 
 from __future__ import annotations
@@ -112,42 +113,3 @@ def load_fast_sound_decoder(cfg: Cosmos3SoundConfig, state: dict[str, torch.Tens
     """Takes the decoder keys of a canonical sound-tokenizer state dict (encoder keys, if any, are ignored)."""
     dec = {k: v for k, v in state.items() if k.startswith("decoder.")}
     return FastSoundDecoder(cfg, apply_load_transforms(sound_component(cfg), dec, dtype=dtype, device=device))
-
-
-def decode_cosmos3_outputs(vae, sound: FastSoundDecoder | None, vision_latents: torch.Tensor,
-                           sound_latents: torch.Tensor | None = None, chunk_frames: int = 1, ledger=None,
-                           on_chunk=None):
-    """The seam for the cosmos3 pipeline on the runtime: de-normalise vision latents (z * std + mean, per channel),
-    decode them through the chunked `wan.vae_decode` loop (`vae` is an optimized.models.wan.FastWanVAE; each chunk's
-    memory reserved in `ledger` if given; `on_chunk(event)` sees every VideoChunkEvent), and decode sound.
-    Returns (video [B, 3, T, H, W] in [-1, 1], waveform or None)."""
-    from optimized.models.wan import DecodeRequest, WanVaeDecodeKernel, stream
-
-    cfg = vae.cfg
-    mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1).to(vision_latents)
-    std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1).to(vision_latents)
-    gen = stream(WanVaeDecodeKernel(vae), DecodeRequest("cosmos3", vision_latents * std + mean, chunk_frames), ledger)
-    while True:
-        try:
-            event = next(gen)
-        except StopIteration as stop:
-            video = stop.value
-            break
-        if on_chunk is not None:
-            on_chunk(event)
-    audio = None if sound_latents is None or sound is None else sound.decode(sound_latents)
-    return video, audio
-
-
-def encode_cosmos3_condition(vae, video: torch.Tensor, chunk_frames: int = 1, ledger=None) -> torch.Tensor:
-    """The conditioning seam (image-to-video / video-to-video): a clip [B, 3, 4k+1, H, W] in [-1, 1] -> the
-    diffusion model's latents [B, z, 1+k, H/16, W/16]: the posterior mean of the chunked `wan.vae_encode` loop
-    (`vae` is an optimized.models.wan.FastWanVAE), normalised per channel as (mu - latents_mean) / latents_std
-    (upstream `Cosmos3OmniPipeline._encode_video`: argmax of the posterior, no sampling)."""
-    from optimized.models.wan import EncodeRequest, WanVaeEncodeKernel, run
-
-    cfg = vae.cfg
-    mu = run(WanVaeEncodeKernel(vae), EncodeRequest("cosmos3-condition", video, chunk_frames), ledger).mean
-    mean = torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1).to(mu)
-    std = torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1).to(mu)
-    return (mu - mean) / std

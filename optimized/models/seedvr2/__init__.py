@@ -1,8 +1,56 @@
-"""seedvr2 optimized path: fast NaDiT with window-aligned SP (Plan A), window geometry + plan cache, model spec."""
+"""seedvr2 optimized path: fast NaDiT with window-aligned SP (Plan A), window geometry + plan cache, model spec, the
+one-step restoration loop, and the family entry `FAMILY` (instance = NaDiT + VAE, loop "restore")."""
 
+from __future__ import annotations
+
+import torch
+
+from manifests.seedvr2.config import NaDiTConfig, list_variants, load_vae_variant, load_variant
+from manifests.seedvr2.keys import nadit_key_shapes, vae_key_shapes
 from optimized.models.seedvr2.model import FastNaDiT, Faults, load_fast_nadit
-from optimized.models.seedvr2.spec import nadit_component, seedvr2_model_spec, validate_parallel_plan
+from optimized.models.seedvr2.pipeline import RestorationLoop, RestoreOutput, RestoreRequest, SeedVR2Instance
+from optimized.models.seedvr2.spec import nadit_component, seedvr2_model_spec, vae_component, validate_parallel_plan
+from optimized.models.seedvr2.vae import FastVAE, load_fast_vae
 from optimized.models.seedvr2.windows import PlanCache, build_geometry, make_plan
+from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, seeded_random_state
 
-__all__ = ["FastNaDiT", "Faults", "PlanCache", "build_geometry", "load_fast_nadit", "make_plan", "nadit_component",
-           "seedvr2_model_spec", "validate_parallel_plan"]
+DIT, VAE = "dit", "vae"
+
+
+def vae_variant_for(cfg: NaDiTConfig) -> str:
+    """The VAE the restoration model pairs with its NaDiT: the tiny VAE for the tiny (golden) NaDiTs."""
+    return "tiny" if any(cfg == load_variant(v) for v in list_variants() if v.startswith("tiny")) else "released"
+
+
+def _load(cfg: NaDiTConfig, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
+          dtype: torch.dtype = torch.float32, weights_version: str | None = None) -> SeedVR2Instance:
+    if set(weights) != {DIT, VAE}:
+        raise ValueError(f"seedvr2 takes components {[DIT, VAE]}, got {sorted(weights)}")
+    vae = load_fast_vae(load_vae_variant(vae_variant_for(cfg)), weights[VAE], device, dtype)
+    return SeedVR2Instance(cfg, load_fast_nadit(cfg, weights[DIT], device, dtype), vae)
+
+
+def _random_weights(cfg: NaDiTConfig, seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    vae_cfg = load_vae_variant(vae_variant_for(cfg))
+    return {DIT: seeded_random_state(nadit_key_shapes(cfg), seed),
+            VAE: seeded_random_state(vae_key_shapes(vae_cfg), seed + 1, ones=("norm1.weight", "norm2.weight",
+                                                                              "group_norm.weight", "norm_out.weight"))}
+
+
+FAMILY = FamilyEntry(
+    name="seedvr2",
+    config_class=NaDiTConfig,
+    load_variant=load_variant,
+    list_variants=list_variants,
+    config_from_dict=NaDiTConfig.from_dict,
+    load=_load,
+    random_weights=_random_weights,
+    components=lambda cfg: (nadit_component(cfg), vae_component(load_vae_variant(vae_variant_for(cfg)))),
+    loops={"restore": lambda inst, opts: RestorationLoop(inst.dit, inst.vae, opts.group)},
+    request_types={RestoreRequest: "restore"},
+    capabilities=Capabilities(modalities=("video",), cfg_policies=()),
+)
+
+__all__ = ["FAMILY", "FastNaDiT", "FastVAE", "Faults", "PlanCache", "RestorationLoop", "RestoreOutput",
+           "RestoreRequest", "SeedVR2Instance", "build_geometry", "load_fast_nadit", "load_fast_vae", "make_plan",
+           "nadit_component", "seedvr2_model_spec", "validate_parallel_plan"]

@@ -1,17 +1,17 @@
 """Wan VAE decode / encode as loops the runtime owns (LoopKernel / WorkPlan contract, optimized/runtime/loop.py).
 
 One step = one temporal chunk (`chunk_frames` latent frames). The chunk's `ConvCache` is typed loop state, so a decode
-can be scheduled with other requests (equal `batch_key`s run batched in one call), cancelled between chunks (every
-plan is a cancel boundary) and streamed chunk by chunk (`stream`, yielding `VideoChunkEvent`s). The memory a chunk
-needs is predicted by `chunk_bytes` and reserved in a `MemoryLedger` before the chunk runs; a failed reservation
-runs nothing.
+runs under the `WorkUnitScheduler` like any loop: with other requests (equal `batch_key`s run batched in one call),
+cancelled between chunks (every plan is a cancel boundary) and streamed chunk by chunk (each decoded chunk is the
+step's `step_output`, a `VideoChunkEvent`; `optimized.runtime.scheduler.stream_request` yields them). The memory a
+chunk needs is predicted by `chunk_bytes` and declared in the plan's `resources`; the scheduler runs the chunk only
+when it fits its budget and refuses a request whose first chunk never can.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -19,39 +19,6 @@ from manifests.wan import WanVAEConfig
 from optimized.models.wan.spec import DECODE_LOOP, ENCODE_LOOP
 from optimized.models.wan.vae import ConvCache, FastWanVAE
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
-
-
-class ReservationError(RuntimeError):
-    """The memory a step needs could not be reserved; the step did not run."""
-
-
-class Cancelled(RuntimeError):
-    """The request was cancelled at a step boundary."""
-
-
-class MemoryLedger:
-    """Byte-accounted reservations against a capacity (device memory budget)."""
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity = int(capacity_bytes)
-        self.reserved = 0
-        self.peak = 0
-        self.log: list[tuple[str, int]] = []
-
-    def reserve(self, what: str, nbytes: int) -> None:
-        if self.reserved + nbytes > self.capacity:
-            raise ReservationError(f"{what}: needs {nbytes / 2**20:.1f} MiB, {self.free / 2**20:.1f} MiB of "
-                                   f"{self.capacity / 2**20:.1f} MiB free")
-        self.reserved += nbytes
-        self.peak = max(self.peak, self.reserved)
-        self.log.append((what, nbytes))
-
-    def release(self, nbytes: int) -> None:
-        self.reserved -= nbytes
-
-    @property
-    def free(self) -> int:
-        return self.capacity - self.reserved
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +119,7 @@ class WanVaeDecodeKernel(LoopKernel[DecodeState]):
         return WorkPlan(
             request_id=state.request.request_id, loop_id=self.loop_id, phase="vae_decode_chunk", step_index=a // n,
             batch_key=(sig, str(z.device)), resources=ResourceRequest(device_bytes=nbytes),
-            cancel_boundary=True, shape_signature=sig, graph_key=sig,
+            cancel_boundary=True, shape_signature=sig,
             info={"latent_frames": (a, b), "video_frames": (0 if first else 1 + 4 * (a - 1), 1 + 4 * (b - 1))})
 
     def run_step(self, states: Sequence[DecodeState], plans: Sequence[WorkPlan]) -> list[DecodeState]:
@@ -186,6 +153,10 @@ class WanVaeDecodeKernel(LoopKernel[DecodeState]):
     def release(self, state: DecodeState) -> None:
         state.cache = ConvCache()
         state.chunks = []
+
+    def step_output(self, state: DecodeState, plan: WorkPlan) -> "VideoChunkEvent":
+        return VideoChunkEvent(plan.request_id, plan.step_index, tuple(plan.info["video_frames"]), state.last_chunk,
+                               plan.resources.device_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +227,7 @@ class WanVaeEncodeKernel(LoopKernel[EncodeState]):
         return WorkPlan(
             request_id=state.request.request_id, loop_id=self.loop_id, phase="vae_encode_chunk", step_index=a // n,
             batch_key=(sig, str(v.device)), resources=ResourceRequest(device_bytes=nbytes), cancel_boundary=True,
-            shape_signature=sig, graph_key=sig,
+            shape_signature=sig,
             info={"latent_frames": (a, b), "video_frames": (max(0, 4 * a - 3), 4 * b - 3)})
 
     def run_step(self, states: Sequence[EncodeState], plans: Sequence[WorkPlan]) -> list[EncodeState]:
@@ -281,80 +252,12 @@ class WanVaeEncodeKernel(LoopKernel[EncodeState]):
         state.cache = ConvCache()
 
 
-# ----------------------------------------------------------------------------------------------
-# Driver: reserve, run, stream, cancel
-# ----------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class VideoChunkEvent:
+    """What one decode step streams out (the `output` of its `request.output` event)."""
     request_id: str
     step_index: int
     video_frames: tuple[int, int]         # [start, end) in the decoded clip
     frames: torch.Tensor                  # [B, 3, end - start, H, W] in [-1, 1]
-    reserved_bytes: int
+    reserved_bytes: int                   # the step's declared device bytes
     kind: str = "media.video_chunk"
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    request_id: str
-    plan: WorkPlan
-    kind: str = "trace.step"
-
-
-def stream(kernel: LoopKernel, request, ledger: MemoryLedger | None = None,
-           cancelled: Callable[[], bool] = lambda: False, events: list | None = None) -> Iterator[VideoChunkEvent]:
-    """Run `request` chunk by chunk, reserving each chunk's memory first; yield each decoded chunk as it lands.
-    `cancelled()` is polled at every cancel boundary (before each chunk); it raises `Cancelled` there."""
-    state = kernel.init_state(request)
-    try:
-        while not kernel.is_done(state):
-            plan = kernel.plan_step(state)
-            if plan.cancel_boundary and cancelled():
-                raise Cancelled(f"{plan.request_id}: cancelled before step {plan.step_index}")
-            need = plan.resources.device_bytes
-            if ledger is not None:
-                ledger.reserve(f"{plan.request_id}/{plan.phase}#{plan.step_index}", need)
-            try:
-                (state,) = kernel.run_step([state], [plan])
-            finally:
-                if ledger is not None:
-                    ledger.release(need)
-            if events is not None:
-                events.append(StepEvent(plan.request_id, plan))
-            if getattr(state, "last_chunk", None) is not None:
-                yield VideoChunkEvent(plan.request_id, plan.step_index, tuple(plan.info["video_frames"]),
-                                      state.last_chunk, need)
-        return kernel.finalize(state)
-    finally:
-        kernel.release(state)
-
-
-def run(kernel: LoopKernel, request, ledger: MemoryLedger | None = None,
-        cancelled: Callable[[], bool] = lambda: False):
-    """Drive `stream` to the end and return the kernel's result."""
-    gen = stream(kernel, request, ledger, cancelled)
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
-
-
-def run_batched(kernel: LoopKernel, requests: list) -> list:
-    """Several requests in lock-step: plans with equal batch_keys run in one `run_step` call (one forward)."""
-    states = [kernel.init_state(r) for r in requests]
-    try:
-        while not all(kernel.is_done(s) for s in states):
-            live = [i for i, s in enumerate(states) if not kernel.is_done(s)]
-            plans = {i: kernel.plan_step(states[i]) for i in live}
-            groups: dict = {}
-            for i in live:
-                groups.setdefault(plans[i].batch_key, []).append(i)
-            for idx in groups.values():
-                for i, s in zip(idx, kernel.run_step([states[i] for i in idx], [plans[i] for i in idx])):
-                    states[i] = s
-        return [kernel.finalize(s) for s in states]
-    finally:
-        for s in states:
-            kernel.release(s)

@@ -1,0 +1,313 @@
+"""WanDiTFast: the Wan 2.1 / 2.2 DiT (diffusers 0.42.1 `WanTransformer3DModel` numerics) for the batched runtime.
+
+One `forward_batch` call runs B same-shape requests (different timesteps, prompts, image embeddings) as one
+batch: one patchify convolution, fused attn1 q/k/v and attn2 k/v (and image k/v) projections declared in
+`optimized/models/wan/spec.py`, SDPA over [B, H, N, d], 3D rope tables built once per latent grid and cached.
+Precision follows upstream with a bf16 run dtype: the time embedder, every `scale_shift_table` and the cross-attn
+LayerNorm stay fp32 (`_keep_in_fp32_modules`), norms / modulation / residual gates are computed in fp32 and cast
+back, rope is applied in fp32 and rounded to the run dtype.
+
+The output is in the run dtype (upstream returns the transformer dtype; the pipeline casts to fp32 as it needs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from manifests.wan.dit import WanDiTConfig
+
+from optimized.models.wan.spec import DIT, dit_component
+from optimized.runtime.cache import state_dict_hash
+from optimized.runtime.spec import apply_load_transforms
+
+ROPE_THETA = 10000.0
+TEXT_CONTEXT_LEN = 512   # (upstream) WanAttnProcessor splits image context as [:, :L - 512]: text is exactly 512
+
+
+class WanDiTInputError(ValueError):
+    """Inputs whose shapes the DiT cannot run (named in the message)."""
+
+
+@dataclass
+class BlockWeights:
+    """One transformer block after the load transforms (fused projections; fp32 where upstream keeps fp32)."""
+
+    scale_shift_table: torch.Tensor        # [1, 6, D] fp32
+    qkv_w: torch.Tensor                    # attn1 [3D, D] (q | k | v rows)
+    qkv_b: torch.Tensor
+    norm_q1: torch.Tensor
+    norm_k1: torch.Tensor
+    out1_w: torch.Tensor
+    out1_b: torch.Tensor
+    norm2_w: torch.Tensor | None           # cross-attn LayerNorm (fp32), None when cross_attn_norm is False
+    norm2_b: torch.Tensor | None
+    q2_w: torch.Tensor
+    q2_b: torch.Tensor
+    kv2_w: torch.Tensor                    # attn2 text [2D, D] (k | v rows)
+    kv2_b: torch.Tensor
+    norm_q2: torch.Tensor
+    norm_k2: torch.Tensor
+    add_kv_w: torch.Tensor | None          # attn2 image [2D, D] (k | v rows), image branch only
+    add_kv_b: torch.Tensor | None
+    norm_added_k: torch.Tensor | None
+    out2_w: torch.Tensor
+    out2_b: torch.Tensor
+    ffn0_w: torch.Tensor
+    ffn0_b: torch.Tensor
+    ffn2_w: torch.Tensor
+    ffn2_b: torch.Tensor
+
+
+def _rope_axis_table(dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [max_len, dim/2] of one axis: angles in float64, rounded to fp32 (upstream get_1d_rotary_pos_embed
+    with freqs_dtype float64; upstream's repeat-interleaved columns are kept once here)."""
+    inv = 1.0 / (ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rotation of x [B, N, H, d] by cos / sin [N, 1, d/2] fp32; rounded to x's dtype (upstream)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class WanDiTFast:
+    """Built from (config, canonical state dict, device, dtype). See the module docstring."""
+
+    def __init__(self, cfg: WanDiTConfig, state: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, weights_version: str | None = None,
+                 component_id: str = DIT) -> None:
+        self.cfg = cfg.validate()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.component = dit_component(cfg, component_id)
+        self.params = apply_load_transforms(self.component, state, dtype=dtype, device=self.device)
+        self.weights_version = weights_version or state_dict_hash(state)
+        self.blocks = [self._block(i) for i in range(cfg.num_layers)]
+        t_dim, h_dim, w_dim = cfg.rope_dims()
+        self._rope_axes = [_rope_axis_table(d, cfg.rope_max_seq_len) for d in (t_dim, h_dim, w_dim)]
+        self._rope_cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        half = cfg.freq_dim // 2
+        # (upstream) diffusers get_timestep_embedding(flip_sin_to_cos=True, downscale_freq_shift=0): exp(-ln(1e4) k / half)
+        exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=self.device)
+        self._time_freqs = torch.exp(exponent / half)
+
+    def _block(self, i: int) -> BlockWeights:
+        p, g = f"blocks.{i}.", self.params.get
+        return BlockWeights(
+            scale_shift_table=g(p + "scale_shift_table"),
+            qkv_w=g(p + "attn1.qkv.weight"), qkv_b=g(p + "attn1.qkv.bias"),
+            norm_q1=g(p + "attn1.norm_q.weight"), norm_k1=g(p + "attn1.norm_k.weight"),
+            out1_w=g(p + "attn1.to_out.0.weight"), out1_b=g(p + "attn1.to_out.0.bias"),
+            norm2_w=g(p + "norm2.weight"), norm2_b=g(p + "norm2.bias"),
+            q2_w=g(p + "attn2.to_q.weight"), q2_b=g(p + "attn2.to_q.bias"),
+            kv2_w=g(p + "attn2.kv.weight"), kv2_b=g(p + "attn2.kv.bias"),
+            norm_q2=g(p + "attn2.norm_q.weight"), norm_k2=g(p + "attn2.norm_k.weight"),
+            add_kv_w=g(p + "attn2.add_kv.weight"), add_kv_b=g(p + "attn2.add_kv.bias"),
+            norm_added_k=g(p + "attn2.norm_added_k.weight"),
+            out2_w=g(p + "attn2.to_out.0.weight"), out2_b=g(p + "attn2.to_out.0.bias"),
+            ffn0_w=g(p + "ffn.net.0.proj.weight"), ffn0_b=g(p + "ffn.net.0.proj.bias"),
+            ffn2_w=g(p + "ffn.net.2.weight"), ffn2_b=g(p + "ffn.net.2.bias"),
+        )
+
+    # ------------------------------------------------------------------ cached tables
+    def rope_tables(self, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [f*h*w, 1, head_dim/2] fp32 for a post-patch grid (f, h, w); built once per grid."""
+        hit = self._rope_cache.get(grid)
+        if hit is not None:
+            return hit
+        f, h, w = grid
+        if max(grid) > self.cfg.rope_max_seq_len:
+            raise WanDiTInputError(f"latent grid {grid} exceeds rope_max_seq_len {self.cfg.rope_max_seq_len}")
+        parts_cos, parts_sin = [], []
+        for (cos, sin), n, shape in zip(self._rope_axes, grid, ((f, 1, 1), (1, h, 1), (1, 1, w))):
+            parts_cos.append(cos[:n].view(*shape, -1).expand(f, h, w, -1))
+            parts_sin.append(sin[:n].view(*shape, -1).expand(f, h, w, -1))
+        cos = torch.cat(parts_cos, -1).reshape(f * h * w, 1, -1).to(self.device)
+        sin = torch.cat(parts_sin, -1).reshape(f * h * w, 1, -1).to(self.device)
+        self._rope_cache[grid] = (cos, sin)
+        return self._rope_cache[grid]
+
+    # ------------------------------------------------------------------ embeddings
+    def _patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """Conv3d(kernel = stride = patch) over the whole batch: [B, C, T, H, W] -> [B, f*h*w, D] contiguous.
+        (Kept a convolution, not a reshaped GEMM: same kernel as upstream, so fp32 results agree bitwise.)"""
+        x = F.conv3d(latents, self.params["patch_embedding.weight"], self.params["patch_embedding.bias"],
+                     stride=self.cfg.patch_size)
+        return x.flatten(2).transpose(1, 2).contiguous()
+
+    def _time_embedding(self, timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """timesteps [B] or [B, N] -> temb [B(, N), D] (run dtype) and timestep_proj [B(, N), 6D] (run dtype)."""
+        P = self.params
+        t = timesteps.to(self.device).reshape(-1)
+        args = t[:, None].float() * self._time_freqs[None, :]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)       # (upstream) flip_sin_to_cos: cos first
+        if self.cfg.freq_dim % 2:
+            emb = F.pad(emb, (0, 1))
+        emb = emb.to(P["condition_embedder.time_embedder.linear_1.weight"].dtype)   # fp32 time embedder (upstream)
+        h = F.silu(F.linear(emb, P["condition_embedder.time_embedder.linear_1.weight"],
+                            P["condition_embedder.time_embedder.linear_1.bias"]))
+        temb = F.linear(h, P["condition_embedder.time_embedder.linear_2.weight"],
+                        P["condition_embedder.time_embedder.linear_2.bias"]).to(self.dtype)
+        proj = F.linear(F.silu(temb), P["condition_embedder.time_proj.weight"], P["condition_embedder.time_proj.bias"])
+        shape = tuple(timesteps.shape)
+        return temb.reshape(*shape, -1), proj.reshape(*shape, -1)
+
+    def _text_embedding(self, text: torch.Tensor) -> torch.Tensor:
+        P, pre = self.params, "condition_embedder.text_embedder."
+        h = F.gelu(F.linear(text, P[pre + "linear_1.weight"], P[pre + "linear_1.bias"]), approximate="tanh")
+        return F.linear(h, P[pre + "linear_2.weight"], P[pre + "linear_2.bias"])
+
+    def _image_embedding(self, image: torch.Tensor) -> torch.Tensor:
+        P, pre = self.params, "condition_embedder.image_embedder."
+        E = image.shape[-1]
+        pos = P.get(pre + "pos_embed")
+        if pos is not None:   # (upstream) FLF2V: pairs of image-token sets are folded into one sequence, [B/2, 2N, E]
+            image = image.reshape(-1, 2 * image.shape[1], E) + pos
+        dt = image.dtype
+        # (upstream) FP32LayerNorm with nn.LayerNorm's default eps 1e-5, output back in the input dtype
+        h = F.layer_norm(image.float(), (E,), P[pre + "norm1.weight"].float(), P[pre + "norm1.bias"].float(),
+                         1e-5).to(dt)
+        h = F.gelu(F.linear(h, P[pre + "ff.net.0.proj.weight"], P[pre + "ff.net.0.proj.bias"]))   # exact GELU
+        h = F.linear(h, P[pre + "ff.net.2.weight"], P[pre + "ff.net.2.bias"])
+        D = h.shape[-1]
+        return F.layer_norm(h.float(), (D,), P[pre + "norm2.weight"].float(), P[pre + "norm2.bias"].float(),
+                            1e-5).to(h.dtype)
+
+    # ------------------------------------------------------------------ block
+    @staticmethod
+    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[B, N, H, d] layouts in and out (upstream native backend: permute, SDPA, permute back)."""
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return o.transpose(1, 2)
+
+    def _block_forward(self, w: BlockWeights, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None,
+                       timestep_proj: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, N, D] run dtype; timestep_proj [B, 6, D] or [B, N, 6, D] (run dtype)."""
+        cfg, dt = self.cfg, x.dtype
+        B, N, D = x.shape
+        H, eps = cfg.num_heads, cfg.eps
+        if timestep_proj.ndim == 4:   # per-token modulation (Wan2.2 TI2V)
+            mod = (w.scale_shift_table.unsqueeze(0) + timestep_proj.float()).unbind(2)
+        else:
+            mod = (w.scale_shift_table + timestep_proj.float()).chunk(6, dim=1)
+        shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = mod
+
+        # 1. self-attention (fp32 LayerNorm + modulation, cast back)
+        n = (F.layer_norm(x.float(), (D,), eps=eps) * (1 + scale_msa) + shift_msa).to(dt)
+        q, k, v = F.linear(n, w.qkv_w, w.qkv_b).chunk(3, dim=-1)
+        q = F.rms_norm(q, (D,), w.norm_q1, eps).unflatten(2, (H, -1))
+        k = F.rms_norm(k, (D,), w.norm_k1, eps).unflatten(2, (H, -1))
+        v = v.unflatten(2, (H, -1))
+        q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
+        a = self._sdpa(q, k, v).flatten(2, 3).to(dt)
+        x = (x.float() + F.linear(a, w.out1_w, w.out1_b) * gate_msa).to(dt)
+
+        # 2. cross-attention (text; + image tokens through their own K/V, summed before to_out)
+        n = F.layer_norm(x.float(), (D,), w.norm2_w, w.norm2_b, eps).to(dt) if w.norm2_w is not None else x
+        q = F.rms_norm(F.linear(n, w.q2_w, w.q2_b), (D,), w.norm_q2, eps).unflatten(2, (H, -1))
+        k, v = F.linear(ctx, w.kv2_w, w.kv2_b).chunk(2, dim=-1)
+        k = F.rms_norm(k, (D,), w.norm_k2, eps).unflatten(2, (H, -1))
+        a = self._sdpa(q, k, v.unflatten(2, (H, -1))).flatten(2, 3).to(dt)
+        if img is not None:
+            ki, vi = F.linear(img, w.add_kv_w, w.add_kv_b).chunk(2, dim=-1)
+            ki = F.rms_norm(ki, (D,), w.norm_added_k, eps).unflatten(2, (H, -1))
+            a_img = self._sdpa(q, ki, vi.unflatten(2, (H, -1))).flatten(2, 3).to(dt)
+            a = a + a_img
+        x = x + F.linear(a, w.out2_w, w.out2_b)
+
+        # 3. feed-forward (tanh GELU), fp32 gated residual
+        n = (F.layer_norm(x.float(), (D,), eps=eps) * (1 + c_scale) + c_shift).to(dt)
+        f = F.linear(F.gelu(F.linear(n, w.ffn0_w, w.ffn0_b), approximate="tanh"), w.ffn2_w, w.ffn2_b)
+        return (x.float() + f.float() * c_gate).to(dt)
+
+    # ------------------------------------------------------------------ forward
+    def _check(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
+               image_embeds: torch.Tensor | None) -> tuple[int, int, int]:
+        cfg = self.cfg
+        if latents.ndim != 5 or latents.shape[1] != cfg.in_channels:
+            raise WanDiTInputError(f"latents must be [B, {cfg.in_channels}, T, H, W], got {list(latents.shape)}")
+        B, _, T, H, W = latents.shape
+        pt, ph, pw = cfg.patch_size
+        if T % pt or H % ph or W % pw:
+            raise WanDiTInputError(f"latent T, H, W {(T, H, W)} must be multiples of the patch size {cfg.patch_size}")
+        grid = (T // pt, H // ph, W // pw)
+        if text.ndim != 3 or text.shape[0] != B or text.shape[2] != cfg.text_dim:
+            raise WanDiTInputError(f"text must be [{B}, L, {cfg.text_dim}], got {list(text.shape)}")
+        if timesteps.shape not in (torch.Size([B]), torch.Size([B, math.prod(grid)])):
+            raise WanDiTInputError(f"timesteps must be [{B}] or [{B}, {math.prod(grid)}], got {list(timesteps.shape)}")
+        if cfg.has_image_branch:
+            if image_embeds is None:
+                raise WanDiTInputError("this DiT has an image branch: image_embeds [B, N, image_dim] are required")
+            if image_embeds.ndim != 3 or image_embeds.shape[-1] != cfg.image_dim:
+                raise WanDiTInputError(f"image_embeds must be [B, N, {cfg.image_dim}], got {list(image_embeds.shape)}")
+            if text.shape[1] != TEXT_CONTEXT_LEN:
+                raise WanDiTInputError(f"with the image branch the text length must be {TEXT_CONTEXT_LEN} "
+                                       f"(upstream splits the context at L - 512), got {text.shape[1]}")
+        elif image_embeds is not None:
+            raise WanDiTInputError("image_embeds given but this DiT has no image branch")
+        return grid
+
+    @torch.no_grad()
+    def forward_batch(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
+                      image_embeds: torch.Tensor | None = None, trace: dict | None = None) -> torch.Tensor:
+        """latents [B, C_in, T, H, W], timesteps [B] (int or float) or [B, f*h*w] (per token), text [B, L, text_dim],
+        image_embeds [B, N, image_dim] | None -> velocity [B, C_out, T, H, W] in the run dtype.
+
+        `trace`: when a dict, receives upstream-shaped intermediates: "patch_embedding" [B, D, f, h, w],
+        "condition_embedder" (timestep_proj [B, 6D] or [B, N, 6D]) plus ".temb" / ".text" / ".image",
+        "blocks.{i}" [B, N, D] and "proj_out" [B, N, C_out * prod(patch)]."""
+        grid = self._check(latents, timesteps, text, image_embeds)
+        cfg, dt, dev = self.cfg, self.dtype, self.device
+        B = latents.shape[0]
+        f, h, w = grid
+        rope = self.rope_tables(grid)
+
+        x = self._patchify(latents.to(dev, dt))
+        temb, timestep_proj = self._time_embedding(timesteps)
+        ctx = self._text_embedding(text.to(dev, dt))
+        img = self._image_embedding(image_embeds.to(dev, dt)) if image_embeds is not None else None
+        if trace is not None:
+            trace["patch_embedding"] = x.transpose(1, 2).reshape(B, -1, f, h, w)
+            trace["condition_embedder"] = timestep_proj
+            trace["condition_embedder.temb"] = temb
+            trace["condition_embedder.text"] = ctx
+            if img is not None:
+                trace["condition_embedder.image"] = img
+        timestep_proj = timestep_proj.unflatten(-1, (6, -1))   # [B, 6, D] or [B, N, 6, D]
+        if img is not None:
+            # (upstream) image and text context are concatenated, then sliced apart again in each attn2: the strided
+            # slices take a different GEMM path than contiguous ones (bf16 rounding), so keep the same layout
+            full = torch.cat([img, ctx], dim=1)
+            img, ctx = full[:, :img.shape[1]], full[:, img.shape[1]:]
+
+        for i, block in enumerate(self.blocks):
+            x = self._block_forward(block, x, ctx, img, timestep_proj, rope)
+            if trace is not None:
+                trace[f"blocks.{i}"] = x
+
+        sst = self.params["scale_shift_table"]                  # [1, 2, D] fp32
+        if temb.ndim == 3:
+            shift, scale = (sst.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
+        else:
+            shift, scale = (sst + temb.unsqueeze(1)).chunk(2, dim=1)
+        D = cfg.hidden_size
+        x = (F.layer_norm(x.float(), (D,), eps=cfg.eps) * (1 + scale) + shift).to(dt)
+        x = F.linear(x, self.params["proj_out.weight"], self.params["proj_out.bias"])
+        if trace is not None:
+            trace["proj_out"] = x
+        pt, ph, pw = cfg.patch_size
+        x = x.reshape(B, f, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(B, x.shape[1], f * pt, h * ph, w * pw)
+
+    def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
+                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_batch(latents, timesteps, text, image_embeds)
+
+    __call__ = forward

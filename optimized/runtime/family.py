@@ -1,0 +1,119 @@
+"""A model family on the optimized side is one typed entry: `FamilyEntry`.
+
+Each `optimized/models/<family>/__init__.py` exports exactly one `FAMILY = FamilyEntry(...)`; `optimized.registry`
+finds them by walking the `optimized.models` package, and the engine serves any of them without naming one. The
+entry says how to get a config (named variants), how to load a resident model instance from canonical weights (by
+component), which loops that instance runs (by name), which request type goes to which loop, what the family can do
+(capabilities), and optional family-specific conveniences (request builders, programs, a `parallelize` hook).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from optimized.runtime.cache import CacheStore
+from optimized.runtime.loop import LoopKernel
+from optimized.runtime.spec import ComponentSpec, SpecError
+
+Weights = dict[str, dict[str, torch.Tensor]]   # component id -> canonical state dict
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """Engine-level knobs a loop factory may read (each family reads the ones that apply to it)."""
+    cfg_policy: str = "batched"                 # "two-forward" | "batched" | "identity"
+    kv_blocks: int = 512                        # AR decode KV pool
+    kv_block_size: int = 16
+    group: Any = None                           # a parallel group (seedvr2 window SP), None = single device
+
+
+LoopFactory = Callable[[Any, LoopOptions], LoopKernel]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    modalities: tuple[str, ...]                 # what the family produces: "video", "image", "sound", "action", "text"
+    cfg_policies: tuple[str, ...] = ()          # CFG policies its denoise loop accepts
+    max_frames: int | None = None               # pixel frames per request (None = no family limit)
+    max_height: int | None = None
+    max_width: int | None = None
+
+    def validate(self, who: str) -> "Capabilities":
+        if not self.modalities:
+            raise SpecError(f"family {who!r}: capabilities name no modality")
+        for name in ("max_frames", "max_height", "max_width"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v <= 0):
+                raise SpecError(f"family {who!r}: capabilities.{name} must be a positive int or None, got {v!r}")
+        return self
+
+
+def identity_job(request: Any, **options: Any) -> Any:
+    if options:
+        raise TypeError(f"{type(request).__name__} takes no job options, got {sorted(options)}")
+    return request
+
+
+@dataclass(frozen=True)
+class FamilyEntry:
+    name: str
+    config_class: type
+    load_variant: Callable[[str], Any]                       # variant name -> config
+    list_variants: Callable[[], list[str]]                   # whole-model variants (what Engine.from_variant takes)
+    config_from_dict: Callable[[dict], Any]                  # a checkpoint's config dict -> config
+    load: Callable[..., Any]                                 # (config, weights, device, dtype, weights_version)
+    random_weights: Callable[[Any, int], Weights]            # (config, seed) -> weights by component
+    components: Callable[[Any], tuple[ComponentSpec, ...]]   # config -> the components its checkpoint holds
+    loops: Mapping[str, LoopFactory]                         # loop name -> factory(instance, options)
+    request_types: Mapping[type, str]                        # request class -> loop name
+    capabilities: Capabilities
+    jobs: Mapping[str, Callable[..., Any]] = field(default_factory=dict)  # loop name -> (request, **opts) -> job
+    request_builders: Mapping[str, Callable[..., Any]] = field(default_factory=dict)  # kind -> (instance, **kw)
+    programs: Mapping[str, Callable[..., Any]] = field(default_factory=dict)          # name -> (engine, *args)
+    caches: Callable[[Any], tuple[CacheStore, ...]] = lambda instance: ()   # the instance's caches (traced)
+    parallelize: Callable[[Any, Any], Any] | None = None     # (instance, parallel plan / mesh) -> instance
+
+    def validate(self) -> "FamilyEntry":
+        if not self.name or not self.name.isidentifier():
+            raise SpecError(f"family name must be an identifier, got {self.name!r}")
+        if not self.loops:
+            raise SpecError(f"family {self.name!r} declares no loop")
+        for rtype, loop in self.request_types.items():
+            if not isinstance(rtype, type):
+                raise SpecError(f"family {self.name!r}: request type {rtype!r} is not a class")
+            if loop not in self.loops:
+                raise SpecError(f"family {self.name!r}: request type {rtype.__name__} goes to loop {loop!r}, "
+                                f"which the family does not declare (loops: {sorted(self.loops)})")
+        unknown = sorted(set(self.jobs) - set(self.loops))
+        if unknown:
+            raise SpecError(f"family {self.name!r}: job builders for undeclared loops {unknown}")
+        self.capabilities.validate(self.name)
+        return self
+
+    def loop_for(self, request: Any) -> str:
+        for rtype in type(request).__mro__:
+            if rtype in self.request_types:
+                return self.request_types[rtype]
+        known = ", ".join(t.__name__ for t in self.request_types)
+        raise TypeError(f"family {self.name!r} serves no {type(request).__name__} (request types: {known})")
+
+    def make_job(self, loop: str, request: Any, **options: Any) -> Any:
+        return self.jobs.get(loop, identity_job)(request, **options)
+
+    def random_variant(self, variant: str, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+        """A model instance with seeded random weights at a variant's shapes (smoke runs, released-size benchmarks)."""
+        cfg = self.load_variant(variant)
+        return self.load(cfg, self.random_weights(cfg, seed), device=device, dtype=dtype,
+                         weights_version=f"random:{self.name}:{variant}:{seed}")
+
+
+def seeded_random_state(key_shapes: Mapping[str, tuple[int, ...]], seed: int,
+                        ones: tuple[str, ...] = ("norm.weight",), scale: float = 0.02) -> dict[str, torch.Tensor]:
+    """Seeded N(0, scale) tensors at the given shapes (sorted key order), plus 1.0 on keys ending in `ones` (norm
+    gains), so a randomly-weighted model keeps activations O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g) * scale + (1.0 if k.endswith(ones) else 0.0)
+            for k, shape in sorted(key_shapes.items())}
