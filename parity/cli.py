@@ -12,16 +12,9 @@ from pathlib import Path
 import click
 
 from parity.errors import SetupError
-from parity.families import FAMILIES, get_family
+from parity.families import families, get_family
+from parity.family import LEVELS
 from parity.report import Report
-
-LEVEL_HELP = {
-    "C0": "component parity: packing, position ids, one decoder layer, full forward, batching, und cache",
-    "C1": "loop parity: denoise trajectories step by step, batched concurrent requests, CFG policies, modes",
-    "C2": "logprob identity of a rollout vs its recompute (not implemented yet)",
-    "C3": "rollout distributions, two-sample test (not implemented yet)",
-    "C4": "decoded artifacts: SSIM/PSNR of frames, SNR of audio",
-}
 
 
 def _fail_setup(msg: str) -> None:
@@ -51,22 +44,28 @@ def cli() -> None:
 
 
 @cli.command("list")
-def list_cmd() -> None:
+@click.option("--probes", is_flag=True, help="List the upstream golden probes instead (probe, family).")
+def list_cmd(probes: bool) -> None:
     """Show families, their variants, which parity levels are implemented and the planted faults."""
     from tabulate import tabulate
 
+    if probes:
+        rows = [[p, name] for name, fam in families().items() for p in fam.golden_probes]
+        click.echo(tabulate(rows, headers=["golden probe (case.json)", "family"]))
+        return
     rows = []
-    for name, fam in FAMILIES.items():
-        levels = " ".join(f"{lv}{'' if lv in fam.LEVELS else '(-)'}" for lv in LEVEL_HELP)
-        rows.append([name, ", ".join(fam.variants()), ", ".join(fam.DEFAULT_VARIANTS), levels,
-                     ", ".join(fam.FAULTS)])
+    for name, fam in families().items():
+        levels = " ".join(f"{lv}{'' if lv in fam.levels else '(-)'}" for lv in LEVELS)
+        rows.append([name, ", ".join(fam.variants()), ", ".join(fam.default_variants), levels,
+                     ", ".join(f.name for f in fam.faults)])
     click.echo(tabulate(rows, headers=["family", "variants", "default (run)", "levels ((-) = not yet)",
                                        "planted faults (--plant-fault)"]))
 
 
 @cli.command("run")
 @click.argument("family")
-@click.option("--level", required=True, type=click.Choice(list(LEVEL_HELP)), help="Parity level to run.")
+@click.option("--level", required=True, type=click.Choice(list(LEVELS)),
+              help="Parity level to run: " + "; ".join(f"{k} {v}" for k, v in LEVELS.items()))
 @click.option("--variant", "variants", multiple=True,
               help="Variant(s) to check (repeatable). Default: the family's tiny variants. Released sizes "
                    "(e.g. nano) are only sensible on a GPU.")
@@ -93,16 +92,16 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
     """
     try:
         fam = get_family(family)
-        if level not in fam.LEVELS:
+        if level not in fam.levels:
             raise SetupError(f"level {level} is not implemented for {family} yet "
-                             f"(implemented: {', '.join(fam.LEVELS) or 'none'})")
+                             f"(implemented: {', '.join(fam.levels) or 'none'})")
         dtype = dtype or ("all" if level == "C0" else "fp32")
         extra = {}
         if world_sizes:
-            if not getattr(fam, "SUPPORTS_WORLD_SIZE", False):
+            if not fam.supports_world_size:
                 raise SetupError(f"{family} has no sequence-parallel plan; --world-size does not apply")
             extra["world_sizes"] = sorted(set(world_sizes))
-        report = fam.LEVELS[level](variants=list(variants), checkpoint=checkpoint, device=device,
+        report = fam.levels[level](variants=list(variants), checkpoint=checkpoint, device=device,
                                    dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed,
                                    fault=fault, progress=lambda msg: click.echo(msg, err=True), **extra)
     except SetupError as e:

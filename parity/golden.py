@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from manifests import ManifestError
 from manifests.parity import Tolerance
 from parity.errors import SetupError
-from parity.report import CheckResult, Report
+from parity.report import Report
 
 CASE_FILES = ("case.json", "upstream", "inputs.safetensors", "outputs.safetensors")
 CASE_KEYS = ("family", "probe", "upstream", "upstream_format", "dtype", "seed", "tolerance")
@@ -62,14 +62,24 @@ def load_case(path: Path) -> GoldenCase:
     return GoldenCase(path, meta, tensors["inputs.safetensors"], tensors["outputs.safetensors"])
 
 
-def run_golden_cases(paths: list[Path], sides: tuple[str, ...], progress: Callable[[str], None]) -> Report:
-    from parity import vae_checks
-    from parity.families import cosmos3, cosmos3_ar, cosmos3_c1, cosmos3_c4, wan
+def read_diffusers_dir(case: GoldenCase, sub: str = "upstream") -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json + the fp32 state dict of a case's diffusers component folder `sub` (diffusers names are the
+    canonical names for the VAEs and the sound tokenizer: identity)."""
+    d = case.path / sub
+    try:
+        config = json.loads((d / "config.json").read_text())
+        state = load_file(str(d / "diffusion_pytorch_model.safetensors"))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise SetupError(f"golden case {case.path}: cannot read {sub}/ ({e})") from None
+    if case.meta.get("upstream_format") != "diffusers":
+        raise SetupError(f"golden case {case.path}: upstream_format must be 'diffusers'")
+    return config, {k: v.float() for k, v in state.items()}
 
-    probes = {"cosmos3.transformer": cosmos3.golden_transformer_probe,
-              "cosmos3.generate": cosmos3_c1.golden_generate_probe,
-              "cosmos3.reason": cosmos3_ar.golden_reason_probe,
-              **cosmos3_c4.PROBES, **wan.PROBES, **vae_checks.PROBES}
+
+def run_golden_cases(paths: list[Path], sides: tuple[str, ...], progress: Callable[[str], None]) -> Report:
+    from parity.families import golden_probes
+
+    probes = golden_probes()  # derived from every family's FAMILY entry
     cases = [load_case(p) for p in paths]  # validate every case before running any
     for c in cases:
         if c.meta["probe"] not in probes:

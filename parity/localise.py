@@ -28,6 +28,22 @@ class TraceRecorder:
         self.records[name] = tensor.detach().clone()
 
 
+class ChunkTrace:
+    """Collects `trace(name, tensor)` calls of a chunked loop; a name recorded once per chunk is concatenated
+    along `dim`, so a chunked side's records compare with a whole-clip side's."""
+
+    def __init__(self, dim: int = 2):
+        self.parts: dict[str, list[torch.Tensor]] = {}
+        self.dim = dim
+
+    def __call__(self, name: str, t: torch.Tensor) -> None:
+        self.parts.setdefault(name, []).append(t.detach().clone())
+
+    @property
+    def records(self) -> dict[str, torch.Tensor]:
+        return {k: torch.cat(v, self.dim) for k, v in self.parts.items()}
+
+
 @dataclass(frozen=True)
 class Divergence:
     name: str

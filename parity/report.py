@@ -8,10 +8,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from tabulate import tabulate
 
 from manifests.parity import Tolerance
-from parity.metrics import Metrics
+from parity.metrics import Metrics, compare, within
 
 
 @dataclass
@@ -34,6 +35,14 @@ class CheckResult:
             "first_divergence": self.divergence,
             **({"extra": self.extra} if self.extra else {}),
         }
+
+
+def tensor_check(name: str, got: torch.Tensor, want: torch.Tensor, tol: Tolerance, divergence: str | None = None,
+                 detail: str = "") -> CheckResult:
+    """One tensor comparison as a check; `divergence` is reported only when it fails."""
+    m = compare(got, want)
+    ok = within(m, tol)
+    return CheckResult(name, ok, m, tol, detail=detail, divergence=None if ok else divergence)
 
 
 @dataclass

@@ -438,7 +438,7 @@ def _golden_state(case: Path):
 
 def _golden_results(case: Path, cfg, state) -> list:
     from manifests.cosmos3.io import Cosmos3Prediction
-    from parity.families import cosmos3 as pc
+    from parity.families.cosmos3 import c0 as pc
     from parity.golden import load_case
 
     c = load_case(case)

@@ -25,7 +25,8 @@ from converters.manifest import CheckpointManifest, Rule
 from converters.readers import TensorInfo
 from manifests.wan import WanVAEConfig, canonical_key_shapes, load_variant
 from parity.errors import SetupError
-from parity.families.wan import check_converted, run_c0
+from parity.families.wan import check_converted
+from parity.families.wan.vae import run_c0
 from parity.weights import random_state_dict
 from tests.conftest import ROOT
 

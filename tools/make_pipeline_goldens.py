@@ -93,7 +93,7 @@ CASES: dict[str, dict[str, Any]] = {
 
 def synthetic_image_uint8(h: int, w: int) -> np.ndarray:
     """The picture of parity/families/cosmos3_c4.py:synthetic_image as uint8 [H, W, 3]."""
-    from parity.families.cosmos3_c4 import synthetic_image
+    from parity.families.cosmos3.c4_setup import synthetic_image
     x = synthetic_image(h, w)                                    # [3, H, W] on the uint8 grid, in [-1, 1]
     return ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
 

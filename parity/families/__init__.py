@@ -1,17 +1,77 @@
-"""Registry of families: each module exposes LEVELS {level: runner}, variants(), DEFAULT_VARIANTS, FAULTS."""
+"""The family registry: every module or package directly under parity/families/ exports one `FAMILY`
+(a `parity.family.ParityFamily`); nothing here names a family. Discovery is lazy (on first use), so a family
+module may import another family's module without going through this registry."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from types import ModuleType
 
 from parity.errors import SetupError
-from parity import vae_checks
-from parity.families import cosmos3, seedvr2, wan
+from parity.family import FamilyError, GoldenProbe, ParityFamily
 
-FAMILIES: dict[str, ModuleType] = {"cosmos3": cosmos3, "wan": wan, "cosmos3-sound": vae_checks, "seedvr2": seedvr2}
+_CACHE: dict[str, ParityFamily] | None = None
 
 
-def get_family(name: str) -> ModuleType:
-    if name not in FAMILIES:
-        raise SetupError(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+def discover(package: ModuleType | None = None) -> dict[str, ParityFamily]:
+    """{family name: entry} from every public module of `package` (default: this one), validated. Raises
+    FamilyError for a module without a FAMILY, a FAMILY of the wrong type, an invalid entry, duplicate family
+    names or a golden probe name claimed by two families."""
+    package = package or importlib.import_module(__name__)
+    found: dict[str, ParityFamily] = {}
+    probes: dict[str, str] = {}
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        fam = getattr(module, "FAMILY", None)
+        if not isinstance(fam, ParityFamily):
+            raise FamilyError(f"{module.__name__} is a parity family module but exports no FAMILY = ParityFamily(...)"
+                              if fam is None else f"{module.__name__}.FAMILY is a {type(fam).__name__}, "
+                                                  f"not a ParityFamily")
+        fam.validate()
+        if fam.name in found:
+            raise FamilyError(f"family name {fam.name!r} is exported twice (second: {module.__name__})")
+        for probe in fam.golden_probes:
+            if probe in probes:
+                raise FamilyError(f"golden probe {probe!r} is claimed by {probes[probe]} and {fam.name}")
+            probes[probe] = fam.name
+        found[fam.name] = fam
+    return found
+
+
+def families() -> dict[str, ParityFamily]:
+    global _CACHE
+    if _CACHE is None:
+        _CACHE = discover()
+    return _CACHE
+
+
+def get_family(name: str) -> ParityFamily:
+    known = families()
+    if name not in known:
+        raise SetupError(f"unknown family {name!r}; known: {', '.join(known)}")
+    return known[name]
+
+
+def golden_probes() -> dict[str, GoldenProbe]:
+    """The golden probe table (case.json "probe" -> probe), derived from the entries."""
+    return {probe: fn for fam in families().values() for probe, fn in fam.golden_probes.items()}
+
+
+def post_check_entry_points() -> dict[str, str]:
+    """What pyproject.toml's [project.entry-points."fvconvert.post_check"] must hold: family -> "module:attr".
+    converters/ may not import parity/, so fvconvert finds the post-check through these entry points; the
+    registry test asserts pyproject and the entries agree."""
+    out = {}
+    for name, fam in families().items():
+        if fam.check_converted is not None:
+            out[name] = f"{fam.check_converted.__module__}:{fam.check_converted.__qualname__}"
+    return out
+
+
+def __getattr__(name: str):
+    if name == "FAMILIES":  # the registry as a mapping (older callers)
+        return families()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,66 +1,29 @@
-"""Shared VAE parity helpers (chunk-trace assembly, golden-case loading) and the cosmos3 sound tokenizer checks:
-C0 (reference vs optimized decoder, whole clip and chunked) and the upstream golden probes `cosmos3.sound_decode`,
-`cosmos3.sound_encode`. Exposes the family interface (LEVELS, variants(), DEFAULT_VARIANTS, FAULTS) so it can be
-registered as its own fvparity family (e.g. "cosmos3-sound")."""
+"""The cosmos3-sound family: cosmos3's sound tokenizer (AVAE). C0: reference vs optimized decoder, whole clip,
+chunked and unbatched; upstream golden probes `cosmos3.sound_decode`, `cosmos3.sound_encode` (golden/cosmos3_sound/).
+cosmos3's own C0 and C4 reuse `run_sound_c0` and `sound_random_state`."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file
 
 from manifests import ManifestError
 from manifests.cosmos3.sound import Cosmos3SoundConfig, canonical_key_shapes, list_variants, load_variant
 from manifests.parity import load_parity_contract
 from parity.errors import SetupError
-from parity.metrics import compare, within
-from parity.report import CheckResult, Report
+from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily
+from parity.golden import read_diffusers_dir
+from parity.localise import ChunkTrace
+from parity.report import CheckResult, Report, tensor_check as check
+from parity.weights import random_state_dict
 
 import optimized.models.cosmos3.sound as opt_sound
 import reference.cosmos3.sound as ref_sound
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_VARIANTS = ("tiny",)
-FAULTS = ("perturbed-weight",)
-
-
-class ChunkTrace:
-    """Collects `trace(name, tensor)` calls; a name recorded once per chunk is concatenated along `dim`."""
-
-    def __init__(self, dim: int = 2):
-        self.parts: dict[str, list[torch.Tensor]] = {}
-        self.dim = dim
-
-    def __call__(self, name: str, t: torch.Tensor) -> None:
-        self.parts.setdefault(name, []).append(t.detach().clone())
-
-    @property
-    def records(self) -> dict[str, torch.Tensor]:
-        return {k: torch.cat(v, self.dim) for k, v in self.parts.items()}
-
-
-def upstream_state(case) -> tuple[dict, dict[str, torch.Tensor]]:
-    """diffusers config + state dict of a golden case's upstream/ (diffusers names = canonical names: identity)."""
-    up = case.path / "upstream"
-    try:
-        config = json.loads((up / "config.json").read_text())
-        state = load_file(str(up / "diffusion_pytorch_model.safetensors"))
-    except (OSError, ValueError) as e:
-        raise SetupError(f"golden case {case.path}: cannot read upstream/ ({e})") from None
-    if case.meta.get("upstream_format") != "diffusers":
-        raise SetupError(f"golden case {case.path}: upstream_format must be 'diffusers'")
-    return config, {k: v.float() for k, v in state.items()}
-
-
-def check(name: str, got: torch.Tensor, want: torch.Tensor, tol, divergence: str | None = None,
-          detail: str = "") -> CheckResult:
-    m = compare(got, want)
-    ok = within(m, tol)
-    return CheckResult(name, ok, m, tol, detail=detail, divergence=None if ok else divergence)
+FAULTS = (Fault("perturbed-weight", "one weight of the optimized decoder's block 1 nudged", "C0", "decoder.block.1"),)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -71,23 +34,21 @@ def variants() -> list[str]:
     return list_variants()
 
 
+def sound_decoder_init(name: str, shape: tuple[int, ...], r: torch.Tensor) -> torch.Tensor:
+    """Keeps the waveform mostly inside the [-1, 1] clamp (weight-norm g ~ 0.5)."""
+    if name.endswith("weight_g"):
+        return (2.0 if name == "decoder.conv2.weight_g" else 0.5) * (1 + 0.1 * r)
+    if name.endswith((".alpha", ".beta")):
+        return 0.3 * r
+    if name.endswith("norm.weight"):
+        return 1 + 0.1 * r
+    if len(shape) == 1:
+        return 0.1 * r
+    return r / (r[0].numel() ** 0.5)
+
+
 def sound_random_state(cfg: Cosmos3SoundConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights that keep the waveform mostly inside the [-1, 1] clamp (weight-norm g ~ 0.5)."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, shape in sorted(canonical_key_shapes(cfg).items()):
-        r = torch.randn(shape, generator=g)
-        if k.endswith("weight_g"):
-            out[k] = (2.0 if k == "decoder.conv2.weight_g" else 0.5) * (1 + 0.1 * r)
-        elif k.endswith((".alpha", ".beta")):
-            out[k] = 0.3 * r
-        elif k.endswith("norm.weight"):
-            out[k] = 1 + 0.1 * r
-        elif len(shape) == 1:
-            out[k] = 0.1 * r
-        else:
-            out[k] = r / (r[0].numel() ** 0.5)
-    return out
+    return random_state_dict(canonical_key_shapes(cfg), seed, init=sound_decoder_init)
 
 
 @contextlib.contextmanager
@@ -108,8 +69,8 @@ def run_sound_c0(variants: list[str], checkpoint: str | None, device: str, dtype
                  fault: str | None, progress: Callable[[str], None]) -> Report:
     if checkpoint is not None:
         raise SetupError("cosmos3 sound C0: --checkpoint is not supported yet (seeded random weights only)")
-    if fault is not None and fault not in FAULTS:
-        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    if fault is not None and fault not in FAMILY.fault_names:
+        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAMILY.fault_names)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SetupError("--device cuda requested but CUDA is not available")
     contract = load_parity_contract("cosmos3/sound")
@@ -145,15 +106,12 @@ def run_sound_c0(variants: list[str], checkpoint: str | None, device: str, dtype
     return report
 
 
-LEVELS = {"C0": run_sound_c0}
-
-
 # ------------------------------------------------------------------------------------------------
 # Golden probes
 # ------------------------------------------------------------------------------------------------
 
 def _sound_case(case):
-    config, state = upstream_state(case)
+    config, state = read_diffusers_dir(case)
     try:
         cfg = Cosmos3SoundConfig.from_diffusers_config(config)
     except ManifestError as e:
@@ -193,3 +151,9 @@ def golden_sound_encode_probe(case, sides) -> list[CheckResult]:
 
 
 PROBES = {"cosmos3.sound_decode": golden_sound_decode_probe, "cosmos3.sound_encode": golden_sound_encode_probe}
+LEVELS = {"C0": run_sound_c0}
+
+FAMILY = ParityFamily(
+    name="cosmos3-sound",
+    description="cosmos3's sound tokenizer (AVAE): decoder whole / chunked / unbatched; encoder vs upstream",
+    levels=LEVELS, variants=variants, default_variants=DEFAULT_VARIANTS, faults=FAULTS, golden_probes=PROBES)

@@ -8,6 +8,7 @@ with first-divergent-layer localisation; plus the public goldens when present.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,11 @@ from manifests import ManifestError
 from manifests.parity import load_parity_contract
 from manifests.seedvr2 import list_variants, load_variant, nadit_key_shapes
 from parity.errors import SetupError
+from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily
 from parity.localise import first_divergence
 from parity.metrics import compare, within
 from parity.report import CheckResult, Report
-from parity.weights import random_state_dict
+from parity.weights import fan_in_init, random_state_dict
 
 import optimized.models.seedvr2 as opt
 import reference.seedvr2 as ref
@@ -32,12 +34,10 @@ from optimized.parallel.launch import run_ranks
 DEFAULT_VARIANTS = ("tiny-3b", "tiny-7b")
 SUPPORTS_WORLD_SIZE = True  # fvparity --world-size
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIRS = (ROOT / "golden" / "seedvr2", ROOT.parent / "shared" / "goldens" / "seedvr2")
 
-# fault name -> (what it breaks, the canonical name the harness must report)
+# fault name -> (what it breaks, the canonical name the harness must report); planted at any level
 FAULTS_INFO = {
     "cyclic-shift": ("shifted windows made cyclic (torch.roll) instead of clipped", "blocks.1"),
     "token-weighted-text": ("text mean over windows weighted by window token counts", "blocks.0"),
@@ -103,27 +103,37 @@ def make_inputs(cfg, grids, text_lens, seed: int, timestep: float = 1000.0) -> N
                        torch.full((len(grids),), timestep))
 
 
+def nadit_overrides(cfg, name: str, shape: tuple[int, ...], r: torch.Tensor) -> torch.Tensor | None:
+    """Init rule for a second pass over the fan-in weights: scaled like the goldens (every block changes the
+    residual clearly); None keeps the first pass's weight."""
+    if name.endswith(".attn.rope.freqs"):
+        n = math.prod(shape)
+        if cfg.is_3b:
+            return 10000.0 ** (-2 * torch.arange(n).float() / cfg.rope_axis_dim)
+        return torch.linspace(1.0, cfg.pixel_rope_max_freq / 2, n) * torch.pi
+    if name.endswith("_shift"):
+        return 0.3 * r
+    if name.endswith("_scale") or name == "vid_out_norm.weight":
+        return 1 + 0.3 * r
+    if name.endswith("_gate"):
+        return 0.5 * r
+    if ".norm_q." in name or ".norm_k." in name:
+        return 1.5 + 0.3 * r
+    return None
+
+
 def nadit_state(cfg, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random canonical weights scaled like the goldens (every block changes the residual clearly)."""
-    state = random_state_dict(nadit_key_shapes(cfg), seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for k, v in state.items():
-        r = torch.randn(v.shape, generator=g)
-        if k.endswith(".attn.rope.freqs"):
-            n = v.numel()
-            if cfg.is_3b:
-                state[k] = 10000.0 ** (-2 * torch.arange(n).float() / cfg.rope_axis_dim)
-            else:
-                state[k] = torch.linspace(1.0, cfg.pixel_rope_max_freq / 2, n) * torch.pi
-        elif k.endswith(("_shift",)):
-            state[k] = 0.3 * r
-        elif k.endswith("_scale") or k == "vid_out_norm.weight":
-            state[k] = 1 + 0.3 * r
-        elif k.endswith("_gate"):
-            state[k] = 0.5 * r
-        elif ".norm_q." in k or ".norm_k." in k:
-            state[k] = 1.5 + 0.3 * r
-    return state
+    """Seeded random canonical weights: fan-in weights, then the golden-like scales drawn from seed + 1."""
+    shapes = nadit_key_shapes(cfg)
+    return {**random_state_dict(shapes, seed),
+            **random_state_dict(shapes, seed + 1, init=lambda k, shape, r: nadit_overrides(cfg, k, shape, r))}
+
+
+def vae_init(name: str, shape: tuple[int, ...], r: torch.Tensor) -> torch.Tensor:
+    """The restoration VAE's norms near 1; everything else fan-in."""
+    if name.endswith(("norm1.weight", "norm2.weight", "group_norm.weight", "conv_norm_out.weight")):
+        return 1 + 0.1 * r
+    return fan_in_init(name, shape, r)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,10 +330,7 @@ def restore_inputs(cfg, seed: int):
     F_, H, W = RESTORE_CLIP
     T, h, w = (F_ - 1) // 4 + 1, H // 8, W // 8
     vae_cfg = load_vae_variant("tiny")
-    vae_state = random_state_dict(vae_key_shapes(vae_cfg), seed + 7)
-    for k in vae_state:
-        if k.endswith(("norm1.weight", "norm2.weight", "group_norm.weight", "conv_norm_out.weight")):
-            vae_state[k] = 1 + 0.1 * torch.randn(vae_state[k].shape, generator=g)
+    vae_state = random_state_dict(vae_key_shapes(vae_cfg), seed + 7, init=vae_init)
     return vae_cfg, vae_state, (torch.rand(3, F_, H, W, generator=g) * 2 - 1, torch.randn(7, cfg.txt_in_dim, generator=g),
                                 torch.randn(T, h, w, 16, generator=g), torch.randn(1, 16, T, h, w, generator=g))
 
@@ -395,3 +402,10 @@ def run_c4(variants, checkpoint, device, dtypes, seed, fault, progress, world_si
 
 
 LEVELS = {"C0": run_c0, "C1": run_c1, "C4": run_c4}
+
+FAMILY = ParityFamily(
+    name="seedvr2",
+    description="NaDiT with 3D window attention, one-step restoration, window-aligned sequence parallelism",
+    levels=LEVELS, variants=variants, default_variants=DEFAULT_VARIANTS,
+    faults=tuple(Fault(name, what, "C0", layer) for name, (what, layer) in FAULTS_INFO.items()),
+    supports_world_size=SUPPORTS_WORLD_SIZE)

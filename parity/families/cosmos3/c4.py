@@ -9,51 +9,49 @@ The decoded frames are compared with SSIM and PSNR (scikit-image, frames in [0, 
 waveforms by SNR (dB); then both sides' frames and audio are written with the atomic artifact writers (PNG, WAV),
 read back and compared again (uint8 / int16), and each read-back is checked against the tensor it came from.
 
-Components (seeded random weights, CPU seconds): the variant's transformer with the Wan2.2 latent geometry imposed
-(`c4_transformer_config`: latent_channels 48, patch 2, patch_latent_dim 192), a tiny Wan2.2-geometry VAE
-(`c4_vae_config`: manifests/wan tiny-2.2 with z_dim = latent_channels and non-trivial latents_mean / std) and a tiny
-decoder-only sound tokenizer whose latent rate equals the transformer's `sound_latent_fps` (`c4_sound_config`).
+Components and the two sides' chains: c4_setup.py. Artifact metrics and read-back: parity/artifacts.py.
 
 Cases: text-to-video; image-to-video (a deterministic synthetic picture repeated over the clip, as the pipeline
 pads it, VAE-encoded on each side; latent frame 0 conditioned); video with sound. The engine must also keep the
 conditioning latent frame where the encoded image put it (upstream does not re-pin it; velocity there is 0).
 
-Planted faults (`C4_FAULTS`, optimized side only): `inverted-latents-std` (de-normalise with z / std + mean, the
+Planted faults (`C4_FAULTS` in faults.py, optimized side only): `inverted-latents-std` (de-normalise with z / std + mean, the
 pipeline's inv_std confused) and `swapped-stereo` (left/right channels of the decoded waveform exchanged).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import tempfile
-import warnings
-import wave
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
 
 from manifests import ManifestError
-from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes, load_variant
+from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest, UniPCConfig, latent_frames_for
 from manifests.cosmos3.sound import Cosmos3SoundConfig
-from manifests.cosmos3.sound import load_variant as load_sound_variant
 from manifests.parity import Tolerance, load_parity_contract
 from manifests.wan import WanVAEConfig
-from manifests.wan import load_variant as load_wan_variant
+from parity.artifacts import fmt_db, frames01, snr_db, video_similarity, write_and_read_back
 from parity.errors import SetupError
+from parity.families.cosmos3.c4_setup import (Components, EngineSide, ReferenceSide, SideOutput, check_geometry,
+                                              conditioning_clip, resolve_components, synthetic_image)
+from parity.families.cosmos3.c4_setup import (c4_sound_config, c4_transformer_config,  # noqa: F401 (C4 surface)
+                                              c4_vae_config, vae_random_state)
+from parity.families.cosmos3.common import DEFAULT_VARIANTS
+from parity.families.cosmos3.faults import C4_FAULTS, planted_c4
+from parity.family import DTYPE_NAMES, DTYPES
+from parity.golden import read_diffusers_dir
 from parity.metrics import compare, within
 from parity.report import CheckResult, Report
-from parity.weights import random_state_dict
 
-DEFAULT_VARIANTS = ("tiny", "tiny-edge")
 STEPS = 4
 NUM_FRAMES, HEIGHT, WIDTH = 9, 48, 64          # -> latent [1, 48, 3, 3, 4]
 FPS = 24.0
-LATENT_CHANNELS, LATENT_PATCH = 48, 2          # the Wan2.2 geometry the pipeline's VAE imposes
 COND_FRAME_MAX_ABS = 1e-5                      # engine: |final latent frame 0 - encoded image latent| (upstream drifts
                                                # <= 4.8e-7: it never re-pins clean frames; velocity there is 0)
 # Used only while the contract's C4 row lacks the field (settings["thresholds"] says which source was used).
@@ -64,299 +62,6 @@ DEFAULT_BOUNDS = {"min_ssim": 0.999, "min_psnr": 60.0, "min_snr_db": 60.0}
 class AudioBound:
     """Bound on the waveform SNR in dB (the table prints it as `min_snr_db>=...`)."""
     min_snr_db: float
-
-
-# ------------------------------------------------------------------------------------------------
-# Components: configs with one latent geometry, seeded weights
-# ------------------------------------------------------------------------------------------------
-
-def c4_transformer_config(cfg: Cosmos3Config) -> Cosmos3Config:
-    """The variant with the Wan2.2 latent geometry: latent_channels 48, patch 2 (patch_latent_dim 192)."""
-    try:
-        return replace(cfg, latent_channels=LATENT_CHANNELS, patch_size=LATENT_PATCH,
-                       patch_latent_dim=LATENT_PATCH ** 2 * LATENT_CHANNELS).validate()
-    except ManifestError as e:
-        raise SetupError(f"cosmos3 C4: {e}") from None
-
-
-def c4_vae_config(z_dim: int) -> WanVAEConfig:
-    """manifests/wan tiny-2.2 (patch 2, residual paths, 16x / 4x) with `z_dim` latent channels and per-channel
-    latents_mean in [-0.3, 0.3], latents_std in [0.5, 1.5] (so a de-normalisation mistake shows)."""
-    mean = tuple(round(0.3 * math.sin(1.7 * i + 0.3), 4) for i in range(z_dim))
-    std = tuple(round(1.0 + 0.5 * math.cos(2.3 * i), 4) for i in range(z_dim))
-    try:
-        return replace(load_wan_variant("tiny-2.2"), z_dim=z_dim, latents_mean=mean, latents_std=std).validate()
-    except ManifestError as e:
-        raise SetupError(f"cosmos3 C4: {e}") from None
-
-
-def c4_sound_config(cfg: Cosmos3Config) -> Cosmos3SoundConfig | None:
-    """A tiny decoder-only AVAE (manifests/cosmos3/sound tiny, strides (2, 3): hop 6) with latent_dim = the
-    transformer's sound_dim and sampling rate hop * sound_latent_fps (150 Hz at 25 latent Hz)."""
-    if not cfg.has_sound:
-        return None
-    hop = 6
-    rate = cfg.sound_latent_fps * hop
-    if rate != int(rate):
-        raise SetupError(f"cosmos3 C4: sound_latent_fps {cfg.sound_latent_fps} * hop {hop} is not an integer rate")
-    try:
-        return replace(load_sound_variant("tiny"), latent_dim=cfg.sound_dim, sampling_rate=int(rate),
-                       dec_c_mults=(1, 2), dec_strides=(2, 3), has_encoder=False).validate()
-    except ManifestError as e:
-        raise SetupError(f"cosmos3 C4: {e}") from None
-
-
-def check_geometry(cfg: Cosmos3Config, vcfg: WanVAEConfig, scfg: Cosmos3SoundConfig | None) -> None:
-    """The three components must agree on the latent spaces they pass between them."""
-    problems = []
-    if vcfg.z_dim != cfg.latent_channels:
-        problems.append(f"VAE z_dim {vcfg.z_dim} != transformer latent_channels {cfg.latent_channels}")
-    if vcfg.temporal_compression != cfg.vae_temporal_compression:
-        problems.append(f"VAE temporal compression {vcfg.temporal_compression} != transformer "
-                        f"vae_temporal_compression {cfg.vae_temporal_compression}")
-    if scfg is not None:
-        if scfg.latent_dim != cfg.sound_dim:
-            problems.append(f"sound latent_dim {scfg.latent_dim} != transformer sound_dim {cfg.sound_dim}")
-        if scfg.latent_fps != cfg.sound_latent_fps:
-            problems.append(f"sound latent rate {scfg.latent_fps} Hz != transformer sound_latent_fps "
-                            f"{cfg.sound_latent_fps}")
-    if problems:
-        raise SetupError("cosmos3 C4: components disagree: " + "; ".join(problems))
-
-
-def vae_random_state(vcfg: WanVAEConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded Wan VAE weights that decode to structured frames mostly inside the [-1, 1] clamp (the golden
-    makers' recipe): RMS-norm gamma 1 + 0.1r, biases 0.1r, weights r / sqrt(fan_in), decoder.conv_out halved."""
-    from manifests.wan import canonical_key_shapes as wan_keys
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, shape in sorted(wan_keys(vcfg).items()):
-        r = torch.randn(shape, generator=g)
-        if k.endswith("gamma"):
-            out[k] = 1 + 0.1 * r
-        elif len(shape) == 1:
-            out[k] = 0.1 * r
-        else:
-            out[k] = r / math.sqrt(math.prod(shape[1:])) * (0.5 if k == "decoder.conv_out.weight" else 1.0)
-    return out
-
-
-def synthetic_image(height: int, width: int) -> torch.Tensor:
-    """A deterministic picture [3, H, W] in [-1, 1] on the uint8 grid (x / 127.5 - 1, what the pipeline's image
-    preprocessing yields): a red horizontal and green vertical gradient, a blue disc, a bright rectangle and a
-    dark diagonal stripe."""
-    y = torch.linspace(0, 1, height).view(-1, 1).expand(height, width)
-    x = torch.linspace(0, 1, width).view(1, -1).expand(height, width)
-    r, g = x.clone(), y.clone()
-    b = 0.15 + 0.7 * (((x - 0.62) ** 2 + (y - 0.4) ** 2) < 0.06).float()
-    rect = (x > 0.1) & (x < 0.35) & (y > 0.55) & (y < 0.9)
-    r[rect], g[rect], b[rect] = 0.95, 0.9, 0.85
-    stripe = ((x - y).abs() < 0.06)
-    r[stripe], g[stripe], b[stripe] = 0.05, 0.1, 0.2
-    rgb = torch.stack([r, g, b]).clamp(0, 1)
-    return (rgb * 255).round() / 127.5 - 1.0
-
-
-def conditioning_clip(image: torch.Tensor, num_frames: int) -> torch.Tensor:
-    """[3, H, W] -> [1, 3, num_frames, H, W]: the image on every frame (the pipeline's i2v repeat-padding)."""
-    return image[None, :, None].expand(1, 3, num_frames, *image.shape[1:]).contiguous()
-
-
-# ------------------------------------------------------------------------------------------------
-# The two sides, each behind one adapter (the only place the harness knows their APIs)
-# ------------------------------------------------------------------------------------------------
-
-@dataclass
-class SideOutput:
-    video: torch.Tensor                     # [1, 3, T, H, W] in [-1, 1]
-    audio: torch.Tensor | None              # [channels, N] in [-1, 1]
-    latents: dict[str, torch.Tensor]        # final latents per modality
-    condition: torch.Tensor | None = None   # i2v: this side's encoded (normalised) conditioning latents
-
-
-@dataclass
-class Components:
-    cfg: Cosmos3Config
-    vcfg: WanVAEConfig
-    scfg: Cosmos3SoundConfig | None
-    state: dict[str, torch.Tensor]
-    vae_state: dict[str, torch.Tensor]
-    sound_state: dict[str, torch.Tensor] | None
-
-
-class ReferenceSide:
-    def __init__(self, c: Components, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        import reference.cosmos3 as ref
-        import reference.cosmos3.sound as ref_sound
-        import reference.wan as ref_wan
-        self.ref, self.ref_sound, self.ref_wan = ref, ref_sound, ref_wan
-        self.model = ref.load_transformer(c.cfg, c.state, device=device, dtype=dtype)
-        self.vae = ref_wan.load_vae(c.vcfg, c.vae_state, device)
-        self.sound = None if c.scfg is None else ref_sound.load_sound_tokenizer(c.scfg, c.sound_state, device)
-
-    def encode_condition(self, clip: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.ref_wan.normalize_latents(self.vae.cfg, self.vae.encode(clip).mean)
-
-    def generate(self, req: Cosmos3GenerateRequest) -> SideOutput:
-        res = self.ref.generate(self.model, req)
-        video, audio = self.ref_sound.decode_cosmos3_outputs(self.vae, self.sound, res.vision, res.sound)
-        latents = {"vision": res.vision, **({"sound": res.sound} if res.sound is not None else {})}
-        return SideOutput(video, audio, latents)
-
-
-class EngineSide:
-    def __init__(self, c: Components, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        import optimized
-        import optimized.models.cosmos3.sound as opt_sound
-        import optimized.models.wan as opt_wan
-        self.opt_sound = opt_sound
-        self.engine = optimized.Engine.from_state_dict(c.cfg, c.state, device, dtype)
-        self.vae = opt_wan.load_fast_vae(c.vcfg, c.vae_state, device)
-        self.sound = None if c.scfg is None else opt_sound.load_fast_sound_decoder(c.scfg, c.sound_state, device)
-
-    def encode_condition(self, clip: torch.Tensor) -> torch.Tensor:
-        return self.opt_sound.encode_cosmos3_condition(self.vae, clip)
-
-    def generate(self, req: Cosmos3GenerateRequest) -> SideOutput:
-        lat = self.engine.generate(req)["latents"]
-        video, audio = self.opt_sound.decode_cosmos3_outputs(self.vae, self.sound, lat["vision"], lat.get("sound"))
-        return SideOutput(video, audio, dict(lat))
-
-
-# ------------------------------------------------------------------------------------------------
-# Planted faults (optimized side only)
-# ------------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _inverted_latents_std(side: EngineSide) -> Iterator[None]:
-    """The optimized decode seam de-normalises with z / std + mean (the pipeline's inv_std taken for std); the
-    encode seam (i2v conditioning) is left correct."""
-    module = side.opt_sound
-    original = module.decode_cosmos3_outputs
-
-    def decode(vae, *args, **kw):
-        cfg = vae.cfg
-        vae.cfg = replace(cfg, latents_std=tuple(1.0 / s for s in cfg.latents_std))  # not validated: planted bug
-        try:
-            return original(vae, *args, **kw)
-        finally:
-            vae.cfg = cfg
-    module.decode_cosmos3_outputs = decode
-    try:
-        yield
-    finally:
-        module.decode_cosmos3_outputs = original
-
-
-@contextlib.contextmanager
-def _swapped_stereo(side: EngineSide) -> Iterator[None]:
-    """The optimized sound decoder returns its waveform with the left and right channels exchanged."""
-    sound = side.sound
-    if sound is None:  # nothing to break on a model without sound (run_c4 refuses a run where no variant has it)
-        yield
-        return
-    original = sound.decode
-    sound.decode = lambda latents: original(latents).flip(-2)
-    try:
-        yield
-    finally:
-        del sound.decode
-
-
-# name -> (context factory on the EngineSide, the checks that must FAIL)
-C4_FAULTS = {
-    "inverted-latents-std": (_inverted_latents_std, ("frames",)),
-    "swapped-stereo": (_swapped_stereo, ("audio",)),
-}
-
-
-@contextlib.contextmanager
-def planted(fault: str | None, side: EngineSide) -> Iterator[None]:
-    if fault is None:
-        yield
-        return
-    with C4_FAULTS[fault][0](side):
-        yield
-
-
-# ------------------------------------------------------------------------------------------------
-# Artifact metrics
-# ------------------------------------------------------------------------------------------------
-
-def frames01(video: torch.Tensor) -> np.ndarray:
-    """[1, 3, T, H, W] in [-1, 1] -> float64 [T, H, W, 3] in [0, 1] (the diffusers video processor's mapping)."""
-    v = video[0] if video.ndim == 5 else video
-    return ((v.detach().double().cpu().clamp(-1, 1) + 1) / 2).permute(1, 2, 3, 0).numpy()
-
-
-def _psnr(want: np.ndarray, got: np.ndarray, data_range: float) -> float:
-    from skimage.metrics import peak_signal_noise_ratio
-    with warnings.catch_warnings(), np.errstate(divide="ignore"):
-        warnings.simplefilter("ignore")
-        return float(peak_signal_noise_ratio(want, got, data_range=data_range))  # inf when identical
-
-
-def video_similarity(want: np.ndarray, got: np.ndarray, data_range: float) -> dict:
-    """Per-frame SSIM (RGB, 7x7 uniform window, `data_range` explicit) and PSNR over the whole clip."""
-    from skimage.metrics import structural_similarity
-    if want.shape != got.shape:
-        return {"ssim_min": -1.0, "ssim_mean": -1.0, "psnr_db": -math.inf, "ssim_per_frame": [],
-                "shape_mismatch": f"{list(got.shape)} vs {list(want.shape)}"}
-    a, b = want.astype(np.float64), got.astype(np.float64)
-    m = min(a.shape[1:3])
-    win = min(7, m if m % 2 else m - 1)  # skimage's default 7, or the largest odd size that fits
-    ssim = [float(structural_similarity(a[t], b[t], data_range=data_range, channel_axis=-1, win_size=win))
-            for t in range(a.shape[0])]
-    return {"ssim_min": min(ssim), "ssim_mean": float(np.mean(ssim)), "psnr_db": _psnr(a, b, data_range),
-            "ssim_per_frame": ssim}
-
-
-def snr_db(want: torch.Tensor, got: torch.Tensor) -> float:
-    """10 log10(sum want^2 / sum (got - want)^2); inf when identical, -inf on a shape mismatch."""
-    if tuple(want.shape) != tuple(got.shape):
-        return -math.inf
-    w, d = want.double(), (got.double() - want.double())
-    noise, signal = float((d * d).sum()), float((w * w).sum())
-    if noise == 0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
-
-
-def _fmt_db(x: float) -> str:
-    return "inf" if math.isinf(x) and x > 0 else f"{x:.1f}"
-
-
-# ------------------------------------------------------------------------------------------------
-# Artifacts: written atomically, read back
-# ------------------------------------------------------------------------------------------------
-
-def read_png_frames(directory: Path) -> np.ndarray:
-    from PIL import Image
-    files = sorted(directory.glob("frame_*.png"))
-    return np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files]) if files else np.zeros((0,))
-
-
-def read_wav(path: Path) -> tuple[np.ndarray, int]:
-    """-> int16 [channels, N], sample rate."""
-    with wave.open(str(path), "rb") as w:
-        n, c, rate = w.getnframes(), w.getnchannels(), w.getframerate()
-        pcm = np.frombuffer(w.readframes(n), dtype="<i2").reshape(n, c).T.copy()
-    return pcm, rate
-
-
-def write_and_read_back(out: SideOutput, directory: Path, sample_rate: int | None) -> dict:
-    from optimized.runtime import artifacts
-    got = {"frames_dir": artifacts.write_png_frames(out.video, directory / "frames")}
-    got["frames"] = read_png_frames(got["frames_dir"])
-    got["frames_expected"] = artifacts.to_uint8_frames(out.video).numpy()
-    if out.audio is not None and sample_rate is not None:
-        path = artifacts.write_wav(out.audio, directory / "audio.wav", sample_rate)
-        got["pcm"], got["rate"] = read_wav(path)
-        got["pcm_expected"] = (out.audio.detach().float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
-    leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
-    got["leftovers"] = leftovers
-    return got
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,16 +117,16 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
     ok = "shape_mismatch" not in sim and sim["ssim_min"] >= bounds["min_ssim"] and sim["psnr_db"] >= bounds["min_psnr"]
     c = CheckResult(f"{prefix}/frames", ok, compare((got.video + 1) / 2, (want.video + 1) / 2), frame_tol,
                     detail=f"SSIM min {sim['ssim_min']:.6f} (mean {sim['ssim_mean']:.6f}) over "
-                           f"{len(sim['ssim_per_frame'])} frames, PSNR {_fmt_db(sim['psnr_db'])} dB "
+                           f"{len(sim['ssim_per_frame'])} frames, PSNR {fmt_db(sim['psnr_db'])} dB "
                            f"(frames in [0, 1], data_range 1.0)" + (f"; {sim['shape_mismatch']}"
                                                                      if "shape_mismatch" in sim else ""))
     c.extra = {k: v if not (isinstance(v, float) and math.isinf(v)) else str(v) for k, v in sim.items()}
     if not ok:
         c.divergence = ("vae decode (final vision latents agree)" if lat_ok.get("vision")
                         else "denoise loop (final vision latents differ)") + \
-            f"; SSIM min {sim['ssim_min']:.4f}, PSNR {_fmt_db(sim['psnr_db'])} dB"
+            f"; SSIM min {sim['ssim_min']:.4f}, PSNR {fmt_db(sim['psnr_db'])} dB"
     checks.append(c)
-    progress(f"[cosmos3 C4] {prefix}: frames SSIM min {sim['ssim_min']:.6f}, PSNR {_fmt_db(sim['psnr_db'])} dB")
+    progress(f"[cosmos3 C4] {prefix}: frames SSIM min {sim['ssim_min']:.6f}, PSNR {fmt_db(sim['psnr_db'])} dB")
 
     # ---- audio
     if want.audio is not None or got.audio is not None:
@@ -431,13 +136,13 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
             snr = snr_db(want.audio, got.audio)
             ok = snr >= bounds["min_snr_db"]
             c = CheckResult(f"{prefix}/audio", ok, compare(got.audio, want.audio), AudioBound(bounds["min_snr_db"]),
-                            detail=f"SNR {_fmt_db(snr)} dB, waveform {list(want.audio.shape)}")
+                            detail=f"SNR {fmt_db(snr)} dB, waveform {list(want.audio.shape)}")
             c.extra = {"snr_db": snr if math.isfinite(snr) else str(snr)}
             if not ok:
                 c.divergence = ("sound decode (final sound latents agree)" if lat_ok.get("sound")
-                                else "denoise loop (final sound latents differ)") + f"; SNR {_fmt_db(snr)} dB"
+                                else "denoise loop (final sound latents differ)") + f"; SNR {fmt_db(snr)} dB"
             checks.append(c)
-            progress(f"[cosmos3 C4] {prefix}: audio SNR {_fmt_db(snr)} dB")
+            progress(f"[cosmos3 C4] {prefix}: audio SNR {fmt_db(snr)} dB")
 
     # ---- artifacts on disk: atomic writes, read back, compared again
     files = {}
@@ -456,7 +161,7 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
         sim8["psnr_db"] >= bounds["min_psnr"]
     diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if a.shape == b.shape else -1
     c = CheckResult(f"{prefix}/png_frames", ok, None, frame_tol, divergence=None if ok else "see frames",
-                    detail=f"uint8 PNG read-back: SSIM min {sim8['ssim_min']:.6f}, PSNR {_fmt_db(sim8['psnr_db'])} dB"
+                    detail=f"uint8 PNG read-back: SSIM min {sim8['ssim_min']:.6f}, PSNR {fmt_db(sim8['psnr_db'])} dB"
                            f" (data_range 255), max |diff| {diff} levels")
     c.extra = {"ssim_min": sim8["ssim_min"], "psnr_db": str(sim8["psnr_db"]), "max_level_diff": diff}
     checks.append(c)
@@ -466,7 +171,7 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
         ok = snr >= bounds["min_snr_db"]
         c = CheckResult(f"{prefix}/wav", ok, None, AudioBound(bounds["min_snr_db"]),
                         divergence=None if ok else "see audio",
-                        detail=f"16-bit WAV read-back: SNR {_fmt_db(snr)} dB, {pa.shape[0]} channels x {pa.shape[1]}")
+                        detail=f"16-bit WAV read-back: SNR {fmt_db(snr)} dB, {pa.shape[0]} channels x {pa.shape[1]}")
         c.extra = {"snr_db": snr if math.isfinite(snr) else str(snr)}
         checks.append(c)
     return checks
@@ -492,32 +197,8 @@ def condition_checks(prefix: str, ref_cond: torch.Tensor, eng_cond: torch.Tensor
 # C4 runner
 # ------------------------------------------------------------------------------------------------
 
-def resolve_components(variants: list[str], checkpoint: str | None, seed: int) -> list[tuple[str, Components]]:
-    if checkpoint is not None:
-        from parity.families.cosmos3 import _resolve_models
-        models = _resolve_models(variants, checkpoint, seed)
-    else:
-        try:
-            models = []
-            for v in variants or DEFAULT_VARIANTS:
-                cfg = c4_transformer_config(load_variant(v))
-                models.append((v, cfg, random_state_dict(canonical_key_shapes(cfg), seed)))
-        except ManifestError as e:
-            raise SetupError(str(e)) from None
-    out = []
-    for name, cfg, state in models:
-        vcfg, scfg = c4_vae_config(cfg.latent_channels), c4_sound_config(cfg)
-        check_geometry(cfg, vcfg, scfg)
-        from parity.vae_checks import sound_random_state
-        out.append((name, Components(cfg, vcfg, scfg, state, vae_random_state(vcfg, seed + 1),
-                                     None if scfg is None else sound_random_state(scfg, seed + 2))))
-    return out
-
-
 def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
            fault: str | None, progress: Callable[[str], None]) -> Report:
-    from parity.families.cosmos3 import DTYPE_NAMES, DTYPES
-
     if fault is not None and fault not in C4_FAULTS:
         raise SetupError(f"unknown C4 fault {fault!r}; known: {', '.join(C4_FAULTS)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -549,7 +230,7 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                 progress(f"[cosmos3 C4] {vname} {dname}: loading transformer, VAE and sound decoder on both sides")
                 reference, engine = ReferenceSide(comp, device, dtype), EngineSide(comp, device, dtype)
                 rate = comp.scfg.sampling_rate if comp.scfg is not None else None
-                with planted(fault, engine):
+                with planted_c4(fault, engine):
                     for case in CASES:
                         if case.sound and comp.scfg is None:
                             continue
@@ -572,18 +253,6 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
 # Upstream golden probe `cosmos3.pipeline` (diffusers Cosmos3OmniPipeline, decoded output; golden/README.md)
 # ------------------------------------------------------------------------------------------------
 
-def _load_upstream_dir(case, sub: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    import json
-    from safetensors.torch import load_file
-    d = case.path / sub
-    try:
-        config = json.loads((d / "config.json").read_text())
-        state = load_file(str(d / "diffusion_pytorch_model.safetensors"))
-    except (OSError, ValueError) as e:
-        raise SetupError(f"golden case {case.path}: cannot read {sub}/ ({e})") from None
-    return config, {k: v.float() for k, v in state.items()}
-
-
 def golden_components(case) -> Components:
     """upstream/ (transformer, converted), upstream_vae/ and upstream_sound/ (diffusers names = canonical)."""
     from converters import ConversionError, convert_diffusers_dir_to_canonical_state_dict
@@ -591,11 +260,11 @@ def golden_components(case) -> Components:
         raise SetupError(f"golden case {case.path}: upstream_format must be 'diffusers'")
     try:
         cfg, state = convert_diffusers_dir_to_canonical_state_dict(case.path / "upstream")
-        vconf, vstate = _load_upstream_dir(case, "upstream_vae")
+        vconf, vstate = read_diffusers_dir(case, "upstream_vae")
         vcfg = WanVAEConfig.from_diffusers_config(vconf)
         scfg = sstate = None
         if (case.path / "upstream_sound").is_dir():
-            sconf, sstate = _load_upstream_dir(case, "upstream_sound")
+            sconf, sstate = read_diffusers_dir(case, "upstream_sound")
             scfg = Cosmos3SoundConfig.from_diffusers_config(sconf)
     except (ConversionError, ManifestError) as e:
         raise SetupError(f"golden case {case.path}: {e}") from None

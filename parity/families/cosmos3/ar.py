@@ -8,15 +8,18 @@ from dataclasses import replace
 
 import torch
 
-from manifests.cosmos3 import Cosmos3Config
+from manifests import ManifestError
+from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes
 from manifests.cosmos3.reasoning import ReasonRequest
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest, UniPCConfig
+from parity.errors import SetupError
+from parity.families.cosmos3.common import load_reference
 from parity.metrics import compare, within
 from parity.report import CheckResult
 
 import optimized
 from reference.cosmos3 import generate
-from reference.cosmos3.reasoner import reason
+from reference.cosmos3.reasoner import reason, und_logits
 
 NEW_TOKENS = 6
 
@@ -124,10 +127,6 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
 
 def golden_reason_probe(case, sides) -> list[CheckResult]:
     from converters import ConversionError, convert_to_state_dict
-    from manifests import ManifestError
-    from manifests.cosmos3 import canonical_key_shapes
-    from parity.errors import SetupError
-    from parity.families.cosmos3 import load_reference
 
     try:
         cfg, partial = convert_to_state_dict("cosmos3", case.meta["upstream_format"], case.path / "upstream")
@@ -142,7 +141,6 @@ def golden_reason_probe(case, sides) -> list[CheckResult]:
     for side in sides:
         name = f"{case.name}/{side}"
         if side == "reference":
-            from reference.cosmos3.reasoner import und_logits
             model = load_reference(cfg, state, "cpu", torch.float32)
             with torch.no_grad():
                 prompt_logits = und_logits(model, req.prompt_ids).float()
@@ -164,3 +162,6 @@ def golden_reason_probe(case, sides) -> list[CheckResult]:
         results.append(CheckResult(f"{name}:greedy_tokens", same,
                                    detail="" if same else f"{tokens} vs upstream {out['greedy_tokens'].tolist()}"))
     return results
+
+
+PROBES = {"cosmos3.reason": golden_reason_probe}

@@ -8,17 +8,21 @@ layer by re-running that step's forward on both sides with their own inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from manifests import ManifestError
 from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs
 from manifests.cosmos3.sampling import ActionSpec, Cosmos3GenerateRequest, UniPCConfig
 from manifests.parity import Tolerance, load_parity_contract
-from parity import faults as fault_lib
 from parity.errors import SetupError
+from parity.families.cosmos3 import faults as fault_lib
+from parity.families.cosmos3.ar import ar_checks
+from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, resolve_models
+from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
 from parity.report import CheckResult, Report
@@ -182,15 +186,13 @@ def compare_runs(prefix: str, ref_run: SideRun, eng_run: SideRun, tol: Tolerance
 
 
 def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress) -> Report:
-    from parity.families.cosmos3 import DTYPE_NAMES, DTYPES, _resolve_models, load_reference
-
     if fault is not None and fault not in fault_lib.COSMOS3_C1_FAULTS:
         raise SetupError(f"unknown C1 fault {fault!r}; known: {', '.join(fault_lib.COSMOS3_C1_FAULTS)}")
     contract = load_parity_contract("cosmos3")
-    report = Report("cosmos3", "C1", {"variants": variants or ["tiny", "tiny-edge"], "device": device,
+    report = Report("cosmos3", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                       "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
                                       "steps": STEPS})
-    for vname, cfg, state in _resolve_models(variants, checkpoint, seed):
+    for vname, cfg, state in resolve_models(variants, checkpoint, seed):
         for dname in dtypes:
             dtype = DTYPES[dname]
             tol = contract.tolerance("C1", DTYPE_NAMES[dname], device.split(":")[0])
@@ -213,7 +215,6 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress) -> Repor
                             checks.append(CheckResult(f"{prefix}/batched_with_others", batched,
                                                       detail=f"batch sizes per step {eng_run.extra['batch_sizes']}"))
                         report.checks += checks
-            from parity.families.cosmos3_ar import ar_checks
             with fault_lib.planted_c1(fault, None):
                 report.checks += ar_checks(f"{vname}/{dname}", cfg, state, reference, dtype, device, c0_tol, tol,
                                            progress)
@@ -245,9 +246,7 @@ def golden_request(case) -> Cosmos3GenerateRequest:
 
 
 def golden_generate_probe(case, sides) -> list[CheckResult]:
-    from manifests import ManifestError
     from converters import ConversionError, convert_diffusers_dir_to_canonical_state_dict
-    from parity.families.cosmos3 import load_reference
 
     try:
         cfg, state = convert_diffusers_dir_to_canonical_state_dict(case.path / "upstream")
@@ -287,3 +286,6 @@ def golden_generate_probe(case, sides) -> list[CheckResult]:
                                            len(out[f"trajectory_{m}"]), worst, tol,
                                            detail=f"first divergent step {bad[0]}" if bad else f"{len(steps)} steps"))
     return results
+
+
+PROBES = {"cosmos3.generate": golden_generate_probe}

@@ -1,14 +1,17 @@
-"""Planted faults (negative controls): each breaks the optimized side in one known place. A harness that
-passes with a fault planted, or fails without naming the layer, is broken."""
+"""cosmos3's planted faults (negative controls): each breaks the optimized side in one known place. A harness that
+passes with a fault planted, or fails without naming the layer, is broken. C0 faults are planted in a loaded
+fast transformer, C1 faults in an Engine, C4 faults in the C4 engine side (parity/families/cosmos3/c4_setup.py)."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Iterator
 
 import torch
 
 from manifests.cosmos3 import Cosmos3Config
+from parity.family import Fault
 
 
 def fault_layer(cfg: Cosmos3Config) -> int:
@@ -89,7 +92,7 @@ def planted(fault: str | None, fast, cfg: Cosmos3Config) -> Iterator[None]:
 
 def _wrong_flow_shift(engine):
     """The optimized schedule applies flow_shift * 1.5."""
-    from optimized.models.cosmos3 import unipc
+    from optimized.solvers import unipc
     return _patched(unipc, "shifted_sigmas", lambda original: lambda base, shift: original(base, shift * 1.5))
 
 
@@ -103,7 +106,6 @@ def _swapped_cfg(engine):
 def _stale_und_cache(engine) -> Iterator[None]:
     """The und-stream cache key forgets the prompt content: a changed prompt of the same length reuses the
     previous prompt's K/V."""
-    from dataclasses import replace
     if engine is None:  # planted per engine; the AR checks build engines of their own
         yield
         return
@@ -157,3 +159,73 @@ def planted_c1(fault: str | None, engine) -> Iterator[None]:
         return
     with COSMOS3_C1_FAULTS[fault](engine):
         yield
+
+
+# ------------------------------------------------------------------------------------------------
+# C4 (decoded artifact) faults, planted in the C4 EngineSide
+# ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _inverted_latents_std(side) -> Iterator[None]:
+    """The optimized decode seam de-normalises with z / std + mean (the pipeline's inv_std taken for std); the
+    encode seam (i2v conditioning) is left correct."""
+    module = side.opt_sound
+    original = module.decode_cosmos3_outputs
+
+    def decode(vae, *args, **kw):
+        cfg = vae.cfg
+        vae.cfg = replace(cfg, latents_std=tuple(1.0 / s for s in cfg.latents_std))  # not validated: planted bug
+        try:
+            return original(vae, *args, **kw)
+        finally:
+            vae.cfg = cfg
+    module.decode_cosmos3_outputs = decode
+    try:
+        yield
+    finally:
+        module.decode_cosmos3_outputs = original
+
+
+@contextlib.contextmanager
+def _swapped_stereo(side) -> Iterator[None]:
+    """The optimized sound decoder returns its waveform with the left and right channels exchanged."""
+    sound = side.sound
+    if sound is None:  # nothing to break on a model without sound (run_c4 refuses a run where no variant has it)
+        yield
+        return
+    original = sound.decode
+    sound.decode = lambda latents: original(latents).flip(-2)
+    try:
+        yield
+    finally:
+        del sound.decode
+
+
+# name -> (context factory on the EngineSide, the checks that must FAIL)
+C4_FAULTS = {
+    "inverted-latents-std": (_inverted_latents_std, ("frames",)),
+    "swapped-stereo": (_swapped_stereo, ("audio",)),
+}
+
+
+@contextlib.contextmanager
+def planted_c4(fault: str | None, side) -> Iterator[None]:
+    if fault is None:
+        yield
+        return
+    with C4_FAULTS[fault][0](side):
+        yield
+
+
+FAULTS = (
+    Fault("perturbed-weight", "one weight of layer 1's gen MLP nudged by 1e-2", "C0", "layers.1.gen"),
+    Fault("rope-interleave", "mRoPE columns with the H and W axes swapped", "C0", "layers.0.gen"),
+    Fault("timestep-on-cond", "timestep embedding also added to conditioned (clean) vision frames", "C0", "embed"),
+    Fault("rope-off-by-one-decode", "AR decode rotates each new token one position late", "C1"),
+    Fault("wrong-flow-shift", "optimized schedule applies flow_shift * 1.5", "C1"),
+    Fault("swapped-cfg", "guidance combine with cond and uncond swapped", "C1"),
+    Fault("stale-und-cache", "und-stream cache key forgets the prompt content", "C1"),
+    Fault("shared-solver-state", "same-shape requests share one solver state", "C1"),
+    Fault("inverted-latents-std", "VAE decode de-normalises with z / std + mean", "C4", "vae decode"),
+    Fault("swapped-stereo", "left/right channels of the decoded waveform exchanged", "C4", "sound decode"),
+)

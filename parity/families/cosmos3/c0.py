@@ -1,39 +1,29 @@
-"""cosmos3 parity checks. C0: packing / position ids, one decoder layer, full forward (cases below, tiny and
-tiny-edge, fp32 and bf16), several requests batched in one optimized call, the und-stream cache, and the
-decoders (Wan2.2-geometry VAE, sound decoder). C1 / C4 live in cosmos3_c1.py / cosmos3_ar.py / cosmos3_c4.py."""
+"""cosmos3 C0: packing / position ids, one decoder layer, full forward (the cases below, tiny and tiny-edge, fp32 and
+bf16), several requests batched in one optimized call, the und-stream cache, and the decoders (Wan2.2-geometry VAE,
+sound decoder, through the wan and cosmos3-sound families). Golden probe `cosmos3.transformer`."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from manifests import ManifestError
-from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes, list_variants, load_variant
+from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 from manifests.parity import load_parity_contract
-from parity import faults as fault_lib
 from parity.errors import SetupError
+from parity.families.cosmos3 import faults as fault_lib
+from parity.families.cosmos3.common import (DEFAULT_VARIANTS, cast_inputs, compare_predictions, load_optimized,
+                                            load_reference, resolve_models, run_optimized, run_reference)
+from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, exact, within
-from parity.checkpoints import c0_post_check, models_to_check
 from parity.report import CheckResult, Report
 
 import optimized.models.cosmos3 as opt
 import reference.cosmos3 as ref
-
-DEFAULT_VARIANTS = ("tiny", "tiny-edge")
-from parity.families.cosmos3_c4 import C4_FAULTS  # noqa: E402  (cosmos3_c4 imports this module lazily)
-
-FAULTS = tuple(fault_lib.COSMOS3_FAULTS) + tuple(fault_lib.COSMOS3_C1_FAULTS) + tuple(C4_FAULTS)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-def variants() -> list[str]:
-    return list_variants()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -82,67 +72,6 @@ def make_inputs(cfg: Cosmos3Config, case: CaseSpec, seed: int) -> Cosmos3Forward
     ).validate(cfg)
 
 
-def cast_inputs(inp: Cosmos3ForwardInputs, dtype: torch.dtype) -> Cosmos3ForwardInputs:
-    """Latents enter the model in the run dtype, as the pipeline casts them before each call."""
-    c = lambda t: None if t is None else t.to(dtype)
-    return replace(inp, vision_latents=c(inp.vision_latents), sound_latents=c(inp.sound_latents),
-                   action_latents=c(inp.action_latents))
-
-
-# ------------------------------------------------------------------------------------------------
-# The two sides behind one small adapter each (the only place the harness knows their APIs)
-# ------------------------------------------------------------------------------------------------
-
-def load_reference(cfg: Cosmos3Config, state: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
-    return ref.load_transformer(cfg, state, device=device, dtype=dtype)
-
-
-def run_reference(model, inp: Cosmos3ForwardInputs, trace=None) -> Cosmos3Prediction:
-    with torch.no_grad():
-        return model(inp, trace=trace)
-
-
-def load_optimized(cfg: Cosmos3Config, state: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
-    return opt.load_fast(cfg, state, device=device, dtype=dtype)
-
-
-def run_optimized(model, inputs: list[Cosmos3ForwardInputs], trace=None) -> list[Cosmos3Prediction]:
-    with torch.no_grad():
-        return model.forward_batch(inputs, trace=trace)
-
-
-OUTPUTS = ("vision", "sound", "action")
-
-
-def compare_predictions(name: str, got: Cosmos3Prediction, want: Cosmos3Prediction, tol,
-                        localise: Callable[[], str | None] | None = None) -> list[CheckResult]:
-    results = []
-    for out in OUTPUTS:
-        a, b = getattr(got, out), getattr(want, out)
-        if a is None and b is None:
-            continue
-        if (a is None) != (b is None):
-            results.append(CheckResult(f"{name}:{out}", False, detail=f"{out} missing on one side"))
-            continue
-        m = compare(a, b)
-        results.append(CheckResult(f"{name}:{out}", within(m, tol), m, tol))
-    if localise is not None and not all(r.passed for r in results):
-        where = localise()
-        for r in results:
-            if not r.passed:
-                r.divergence = where or "outputs only (every traced layer within tolerance)"
-    return results
-
-
-# ------------------------------------------------------------------------------------------------
-# C0
-# ------------------------------------------------------------------------------------------------
-
-def _resolve_models(variants: list[str], checkpoint: str | None, seed: int):
-    """(name, config, canonical state dict) per model to check."""
-    return models_to_check("cosmos3", variants, DEFAULT_VARIANTS, checkpoint, seed, load_variant, canonical_key_shapes)
-
-
 def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
            fault: str | None, progress: Callable[[str], None]) -> Report:
     if fault is not None and fault not in fault_lib.COSMOS3_FAULTS:
@@ -152,7 +81,7 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
     contract = load_parity_contract("cosmos3")
     report = Report("cosmos3", "C0", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                       "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault})
-    for vname, cfg, state in _resolve_models(variants, checkpoint, seed):
+    for vname, cfg, state in resolve_models(variants, checkpoint, seed):
         for dname in dtypes:
             dtype = DTYPES[dname]
             tol = contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
@@ -168,13 +97,12 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
 
 def decoder_checks(device: str, dtypes: list[str], seed: int, progress) -> list[CheckResult]:
     """C0 of cosmos3's video VAE (Wan2.2 geometry, tiny) and sound decoder, as their own families check them."""
-    from parity import vae_checks
-    from parity.families import wan
+    from parity.families.cosmos3_sound import run_sound_c0
+    from parity.families.wan.vae import run_c0 as run_wan_vae_c0
 
     checks = []
-    for prefix, run in (("vae", lambda: wan.run_c0(["tiny-2.2"], None, device, dtypes, seed, None, progress)),
-                        ("sound", lambda: vae_checks.run_sound_c0(["tiny"], None, device, dtypes, seed, None,
-                                                                  progress))):
+    for prefix, run in (("vae", lambda: run_wan_vae_c0(["tiny-2.2"], None, device, dtypes, seed, None, progress)),
+                        ("sound", lambda: run_sound_c0(["tiny"], None, device, dtypes, seed, None, progress))):
         for c in run().checks:
             c.name = f"{prefix}/{c.name}"
             checks.append(c)
@@ -331,19 +259,4 @@ def golden_transformer_probe(case, sides) -> list[CheckResult]:
     return results
 
 
-def check_converted(out_dir) -> dict:
-    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted weights."""
-    return c0_post_check(run_c0, out_dir)
-
-
-def _run_c1(*args, **kw) -> Report:
-    from parity.families.cosmos3_c1 import run_c1
-    return run_c1(*args, **kw)
-
-
-def _run_c4(*args, **kw) -> Report:
-    from parity.families.cosmos3_c4 import run_c4
-    return run_c4(*args, **kw)
-
-
-LEVELS = {"C0": run_c0, "C1": _run_c1, "C4": _run_c4}
+PROBES = {"cosmos3.transformer": golden_transformer_probe}

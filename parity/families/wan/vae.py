@@ -1,4 +1,4 @@
-"""wan parity checks. C0: the Wan VAE (2.1 / 2.2) decoder and encoder, reference (whole clip) vs optimized (chunked
+"""wan VAE parity. C0: the Wan VAE (2.1 / 2.2) decoder and encoder, reference (whole clip) vs optimized (chunked
 loops with carried conv caches), per component (every traced block) and end to end, at several chunk sizes, an
 image (1 latent frame), and two requests batched in one optimized call; fp32 and bf16. Golden probes
 `wan.vae_encode` and `wan.vae_decode` (upstream diffusers AutoencoderKLWan cases in golden/wan/)."""
@@ -13,17 +13,24 @@ import torch
 from manifests import ManifestError
 from manifests.parity import load_parity_contract
 from manifests.wan import WanVAEConfig, canonical_key_shapes, list_variants, load_variant
+from parity.checkpoints import models_to_check
 from parity.errors import SetupError
-from parity.localise import first_divergence
-from parity.checkpoints import c0_post_check, models_to_check
-from parity.report import CheckResult, Report
-from parity.vae_checks import DTYPE_NAMES, DTYPES, ChunkTrace, check, upstream_state
+from parity.family import DTYPE_NAMES, DTYPES, Fault
+from parity.golden import read_diffusers_dir
+from parity.localise import ChunkTrace, first_divergence
+from parity.report import CheckResult, Report, tensor_check as check
 
 import optimized.models.wan as opt
+from optimized.runtime.scheduler import run_request, run_requests
 import reference.wan as ref
 
 DEFAULT_VARIANTS = ("tiny-2.1", "tiny-2.2")
-FAULTS = ("perturbed-weight", "rep-context", "dropped-cache")
+FAULTS = (
+    Fault("perturbed-weight", "one weight of VAE decoder stage 1 nudged", "C0", "decoder.up_blocks.1"),
+    Fault("rep-context", "temporal upsample conv sees frame 0 as context (upstream's 'Rep' quirk ignored)", "C0"),
+    Fault("dropped-cache", "decoder.conv_in's conv cache not carried between chunks", "C0", "decoder.conv_in"),
+)
+FAULT_NAMES = tuple(f.name for f in FAULTS)
 
 
 def variants() -> list[str]:
@@ -72,7 +79,7 @@ def planted(fault: str | None, fast: opt.FastWanVAE):
         finally:
             del fast.decode_chunk
     else:
-        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAULT_NAMES)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,7 +93,7 @@ def reference_decode(model: ref.WanVAE, z: torch.Tensor, trace=None) -> torch.Te
 
 def optimized_decode(fast: opt.FastWanVAE, z: torch.Tensor, chunk_frames: int, trace=None) -> torch.Tensor:
     kernel = opt.WanVaeDecodeKernel(fast, trace=trace)
-    return opt.run(kernel, opt.DecodeRequest("c0", z, chunk_frames=chunk_frames))
+    return run_request(kernel, opt.DecodeRequest("c0", z, chunk_frames=chunk_frames))
 
 
 def reference_encode(model: ref.WanVAE, video: torch.Tensor, trace=None):
@@ -95,7 +102,7 @@ def reference_encode(model: ref.WanVAE, video: torch.Tensor, trace=None):
 
 
 def optimized_encode(fast: opt.FastWanVAE, video: torch.Tensor, chunk_frames: int, trace=None):
-    return opt.run(opt.WanVaeEncodeKernel(fast, trace=trace), opt.EncodeRequest("c0", video, chunk_frames))
+    return run_request(opt.WanVaeEncodeKernel(fast, trace=trace), opt.EncodeRequest("c0", video, chunk_frames))
 
 
 def _localise(ref_records: dict, opt_records: dict, tol) -> str | None:
@@ -124,8 +131,8 @@ def _resolve(variants: list[str], checkpoint: str | None, seed: int):
 
 def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
            fault: str | None, progress: Callable[[str], None]) -> Report:
-    if fault is not None and fault not in FAULTS:
-        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+    if fault is not None and fault not in FAULT_NAMES:
+        raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAULT_NAMES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SetupError("--device cuda requested but CUDA is not available")
     contract = load_parity_contract("wan")
@@ -169,7 +176,7 @@ def c0_checks(prefix: str, cfg: WanVAEConfig, model, fast, tol, dtype, device, s
     checks.append(check(f"{prefix}/decode/image", optimized_decode(fast, z[:1, :, :1], 1),
                         reference_decode(model, z[:1, :, :1]), tol))
     kernel = opt.WanVaeDecodeKernel(fast)
-    both = opt.run_batched(kernel, [opt.DecodeRequest("a", z[:1], 1), opt.DecodeRequest("b", z[1:], 1)])
+    both = run_requests(kernel, [opt.DecodeRequest("a", z[:1], 1), opt.DecodeRequest("b", z[1:], 1)])
     want_b = reference_decode(model, z[1:])
     checks.append(check(f"{prefix}/decode/batched_a", both[0], want, tol, detail="2 requests in one run_step"))
     checks.append(check(f"{prefix}/decode/batched_b", both[1], want_b, tol, detail="2 requests in one run_step"))
@@ -198,7 +205,7 @@ def c0_checks(prefix: str, cfg: WanVAEConfig, model, fast, tol, dtype, device, s
 # ------------------------------------------------------------------------------------------------
 
 def _golden_setup(case):
-    config, state = upstream_state(case)
+    config, state = read_diffusers_dir(case)
     try:
         cfg = WanVAEConfig.from_diffusers_config(config)
     except ManifestError as e:
@@ -236,10 +243,4 @@ def golden_encode_probe(case, sides) -> list[CheckResult]:
     return results
 
 
-def check_converted(out_dir) -> dict:
-    """fvconvert's post-check: C0 (fp32, CPU) on freshly converted wan VAE weights."""
-    return c0_post_check(run_c0, out_dir)
-
-
 PROBES = {"wan.vae_encode": golden_encode_probe, "wan.vae_decode": golden_decode_probe}
-LEVELS = {"C0": run_c0}

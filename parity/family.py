@@ -1,0 +1,115 @@
+"""`ParityFamily`: one typed entry per model family, from which the harness derives everything else.
+
+Each module (or package) under parity/families/ exports exactly one `FAMILY = ParityFamily(...)`. The registry
+(parity/families/__init__.py) discovers them with pkgutil; `fvparity list`, `fvparity run`, the golden probe
+table (parity/golden.py) and the fvconvert post-checks (pyproject entry points, checked against the entries by
+tests/test_parity_registry.py) are read from these entries, never from a hand-written list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Protocol
+
+import torch
+
+from parity.report import CheckResult, Report
+
+LEVELS = {  # the ladder (../DESIGN.md): level -> what it compares
+    "C0": "components: blocks, full forward, VAE / text encoder / audio decoder, packing, position ids, batching",
+    "C1": "whole loops: denoise trajectories step by step, batched concurrent requests, CFG policies; AR tokens",
+    "C2": "logprob identity of a rollout vs its recompute",
+    "C3": "rollout distributions, two-sample test",
+    "C4": "decoded artifacts: SSIM/PSNR of frames, SNR of audio",
+}
+# the run precisions every family understands: CLI name -> torch dtype, and the ParityContract's name for it
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+class LevelRunner(Protocol):
+    """run(variants, checkpoint, device, dtypes, seed, fault, progress[, world_sizes]) -> Report"""
+
+    def __call__(self, variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
+                 fault: str | None, progress: Callable[[str], None], **kw) -> Report: ...
+
+
+GoldenProbe = Callable[..., list[CheckResult]]     # probe(case: GoldenCase, sides: tuple[str, ...]) -> checks
+PostCheck = Callable[[Path], dict]                  # check_converted(tmp_out_dir) -> {"status": ..., ...}
+
+
+class FamilyError(Exception):
+    """A family entry that does not provide what it declares (a harness bug: fvparity exits 3)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A planted porting bug (negative control): the optimized side broken in one known place."""
+    name: str
+    breaks: str                     # what it breaks, in one line
+    level: str                      # the (cheapest) level whose runner plants it and must FAIL
+    divergence: str | None = None   # what the harness should report as the first divergence, where known
+
+
+@dataclass(frozen=True)
+class ParityFamily:
+    name: str                                        # `fvparity run NAME`
+    description: str
+    levels: Mapping[str, LevelRunner]                # implemented levels only; others exit 2 ("not implemented")
+    variants: Callable[[], list[str]]                # every variant the family's manifests know
+    default_variants: tuple[str, ...]                # what `run` checks without --variant (tiny, CPU seconds)
+    faults: tuple[Fault, ...] = ()
+    golden_probes: Mapping[str, GoldenProbe] = field(default_factory=dict)   # case.json "probe" -> probe
+    check_converted: PostCheck | None = None         # fvconvert's post-conversion check (C0 on converted weights)
+    supports_world_size: bool = False                # `--world-size` (a sequence-parallel plan) applies
+
+    def fault(self, name: str) -> Fault | None:
+        return next((f for f in self.faults if f.name == name), None)
+
+    @property
+    def fault_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.faults)
+
+    def validate(self) -> ParityFamily:
+        """Every declared part is present and well-formed; raises FamilyError naming the first problem."""
+        where = f"parity family {self.name!r}"
+        problems = []
+        if not self.name or not isinstance(self.name, str):
+            problems.append("name must be a non-empty string")
+        if not self.description:
+            problems.append("description is empty")
+        if not self.levels:
+            problems.append("declares no level")
+        for level, runner in self.levels.items():
+            if level not in LEVELS:
+                problems.append(f"unknown level {level!r} (levels are {', '.join(LEVELS)})")
+            if not callable(runner):
+                problems.append(f"level {level} runner is not callable")
+        if not callable(self.variants):
+            problems.append("variants is not callable")
+        else:
+            known = set(self.variants())
+            if not self.default_variants:
+                problems.append("no default variant")
+            missing = [v for v in self.default_variants if v not in known]
+            if missing:
+                problems.append(f"default variants {missing} are not among variants()")
+        names = [f.name for f in self.faults]
+        if len(set(names)) != len(names):
+            problems.append(f"duplicate fault names in {names}")
+        for f in self.faults:
+            if not isinstance(f, Fault):
+                problems.append(f"fault {f!r} is not a Fault")
+            elif f.level not in self.levels:
+                problems.append(f"fault {f.name!r} is caught at {f.level}, which the family does not implement")
+            elif not f.breaks:
+                problems.append(f"fault {f.name!r} does not say what it breaks")
+        for probe, fn in self.golden_probes.items():
+            if not probe or not callable(fn):
+                problems.append(f"golden probe {probe!r} is not a callable with a name")
+        if self.check_converted is not None and not callable(self.check_converted):
+            problems.append("check_converted is not callable")
+        if problems:
+            raise FamilyError(f"{where}: " + "; ".join(problems))
+        return self
