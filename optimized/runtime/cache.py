@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
+
+log = logging.getLogger("optimized.runtime.cache")
 
 CacheOp = str  # "hit" | "miss" | "put" | "evict"
 _OPS = ("hit", "miss", "put", "evict")
@@ -123,6 +126,7 @@ class CacheStore:
         self._entries: OrderedDict[CacheKey, tuple[Any, int]] = OrderedDict()
         self._subscribers: list[Callable[[CacheEvent], None]] = []
         self.stats = CacheStats()
+        self.subscriber_failures: dict[int, int] = {}   # id(subscriber) -> exceptions raised
 
     @property
     def hits(self) -> int:
@@ -139,10 +143,19 @@ class CacheStore:
         return lambda: self._subscribers.remove(fn) if fn in self._subscribers else None
 
     def _emit(self, op: CacheOp, key: CacheKey, nbytes: int = 0) -> None:
+        """Subscribers are isolated: one that raises is kept, its first failure logged once, later ones counted
+        (`subscriber_failures`); the cache operation and the request that caused it go on."""
         if self._subscribers:
             event = CacheEvent(op=op, key=key, nbytes=nbytes, store=self.name)
             for fn in list(self._subscribers):
-                fn(event)
+                try:
+                    fn(event)
+                except Exception as e:  # noqa: BLE001 - a subscriber's bug is its own
+                    n = self.subscriber_failures.get(id(fn), 0)
+                    self.subscriber_failures[id(fn)] = n + 1
+                    if n == 0:
+                        log.warning("cache %s: subscriber %s raised on %s (kept; reported once): %s: %s", self.name,
+                                    getattr(fn, "__qualname__", type(fn).__name__), op, type(e).__name__, e)
 
     # ---- access ----
     def get(self, key: CacheKey) -> Any | None:

@@ -34,21 +34,57 @@ LoopFactory = Callable[[Any, LoopOptions], LoopKernel]
 
 
 @dataclass(frozen=True)
+class RequestExtent:
+    """How big a request is, read from the request alone (nothing allocated): None = does not apply / unknown."""
+    frames: int | None = None                   # pixel frames
+    height: int | None = None                   # pixels
+    width: int | None = None
+    tokens: int | None = None                   # text tokens the request holds (prompt, + generated for AR)
+
+
+LIMITS = (("frames", "max_frames"), ("height", "max_height"), ("width", "max_width"), ("tokens", "max_tokens"))
+
+
+@dataclass(frozen=True)
 class Capabilities:
     modalities: tuple[str, ...]                 # what the family produces: "video", "image", "sound", "action", "text"
     cfg_policies: tuple[str, ...] = ()          # CFG policies its denoise loop accepts
     max_frames: int | None = None               # pixel frames per request (None = no family limit)
     max_height: int | None = None
     max_width: int | None = None
+    max_tokens: int | None = None               # text tokens per request (prompt; + max_new_tokens for reasoning)
+    # request -> its extent (None = nothing to check); the engine checks it against the limits before any allocation
+    extent: Callable[[Any], RequestExtent | None] = field(default=lambda request: None, compare=False, repr=False)
 
     def validate(self, who: str) -> "Capabilities":
         if not self.modalities:
             raise SpecError(f"family {who!r}: capabilities name no modality")
-        for name in ("max_frames", "max_height", "max_width"):
+        for _, name in LIMITS:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v <= 0):
                 raise SpecError(f"family {who!r}: capabilities.{name} must be a positive int or None, got {v!r}")
         return self
+
+    def to_dict(self) -> dict:
+        """JSON-ready data (the `extent` function left out)."""
+        return {"modalities": list(self.modalities), "cfg_policies": list(self.cfg_policies),
+                **{name: getattr(self, name) for _, name in LIMITS}}
+
+    def size_problem(self, request: Any, who: str) -> str | None:
+        """Why `request` is larger than the family serves, or None. Values of the wrong type are left to the
+        request's own validation (it refuses them with its own message)."""
+        try:
+            ext = self.extent(request)
+        except (TypeError, ValueError, AttributeError):
+            return None  # a malformed request: its validation says what is wrong
+        if ext is None:
+            return None
+        for what, limit_name in LIMITS:
+            value, limit = getattr(ext, what), getattr(self, limit_name)
+            if limit is not None and isinstance(value, int) and value > limit:
+                return (f"{who} request: {value} {what} exceeds the family limit of {limit} "
+                        f"(capabilities.{limit_name})")
+        return None
 
 
 def identity_job(request: Any, **options: Any) -> Any:

@@ -5,13 +5,27 @@ doing it (`plan_step`, pure: same state -> same plan), runs the planned step for
 once (`run_step`, the only place that computes), and turns finished state into a result (`finalize`).
 Cancellation and preemption happen only between steps, at plans marked `cancel_boundary`. The one driver is
 `optimized.runtime.scheduler.WorkUnitScheduler` (`run_request` / `stream_request` there for a single request).
+
+Step state is functional: `run_step` returns new states. The scheduler hands it `snapshot`s of the recorded states
+(containers copied, generators cloned, tensors shared), so a step that fails part-way, or a batch re-run request by
+request to isolate a failing member, always starts again from the states as they were before the step: nothing is
+applied twice. A kernel must therefore never write into a tensor of its input states (replace tensors instead), and
+any side effect outside the state (a KV pool, a cache) must be idempotent for a given input state.
+
+Admission is decided from the request alone: `estimate(request)` (pure, allocates nothing) says what the request
+will hold and what its largest step needs; the scheduler refuses a request that can never fit before `init_state`
+allocates anything.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Sequence, TypeVar
+
+import torch
 
 from optimized.runtime.cache import CacheKey
 
@@ -26,6 +40,46 @@ class ResourceRequest:
 
     def __add__(self, other: "ResourceRequest") -> "ResourceRequest":
         return ResourceRequest(self.device_bytes + other.device_bytes, self.cost_seconds + other.cost_seconds)
+
+
+@dataclass(frozen=True)
+class RequestEstimate:
+    """What a request will need, computed from the request alone (before any allocation): bytes held for its whole
+    life (its `admission`) and the bytes of its largest step (a plan's `resources.device_bytes`)."""
+    held_bytes: int = 0
+    step_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.held_bytes + self.step_bytes
+
+
+def fresh_copy(value: Any) -> Any:
+    """A copy of step state that a step may change without touching the original: lists, dicts, sets and non-frozen
+    dataclasses are copied (recursively), torch generators cloned; tensors, frozen dataclasses, tuples and other
+    values are shared (a kernel replaces tensors instead of writing into them)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, torch.Generator):
+        g = torch.Generator(device=value.device)
+        g.set_state(value.get_state())
+        return g
+    if isinstance(value, list):
+        return [fresh_copy(v) for v in value]
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for k, v in value.items():
+            out[k] = fresh_copy(v)
+        return out
+    if isinstance(value, set):
+        return set(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) \
+            and not value.__dataclass_params__.frozen:
+        out = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(out, f.name, fresh_copy(getattr(value, f.name)))
+        return out
+    return value
 
 
 @dataclass(frozen=True)
@@ -58,7 +112,8 @@ class LoopKernel(ABC, Generic[State]):
 
     @abstractmethod
     def run_step(self, states: Sequence[State], plans: Sequence[WorkPlan]) -> list[State]:
-        """Run one planned step for each state (all plans share one batch_key); return the new states."""
+        """Run one planned step for each state (all plans share one batch_key); return the new states. The states
+        given are the scheduler's snapshots: if this raises, the scheduler still holds the pre-step states."""
 
     @abstractmethod
     def is_done(self, state: State) -> bool: ...
@@ -66,6 +121,16 @@ class LoopKernel(ABC, Generic[State]):
     @abstractmethod
     def finalize(self, state: State) -> Any:
         """The request's result once `is_done`."""
+
+    def estimate(self, request: Any) -> RequestEstimate | None:
+        """Pure, from the request alone, allocating nothing: the bytes it will hold and those of its largest step.
+        The scheduler refuses a request whose estimate exceeds the budget before `init_state` runs. May raise
+        ValueError for an invalid request. None = unknown (the state-based check after `init_state` still applies)."""
+        return None
+
+    def snapshot(self, state: State) -> State:
+        """A copy of `state` that `run_step` may advance without changing `state` (see `fresh_copy`)."""
+        return fresh_copy(state)
 
     def admission(self, state: State) -> ResourceRequest:
         """Resources held for the request's whole life (e.g. its caches); reserved before admission."""

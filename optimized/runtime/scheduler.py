@@ -1,9 +1,14 @@
 """The WorkUnit scheduler: running-first, reservation-gated admission, one cost currency, cross-request batching.
 
 Memory: a request holds its `admission()` bytes for its whole life; each step also needs its plan's
-`resources.device_bytes` while it runs. A request is refused at submission when its admission plus its first step
-can never fit the budget, admitted when they fit beside what running requests hold, and a batch is split so that
-held bytes + the batch's step bytes fit.
+`resources.device_bytes` while it runs. A request is refused at submission when it can never fit the budget: first
+from the kernel's `estimate(request)` (before `init_state` allocates anything), then from its state's admission plus
+its first step. It is admitted when they fit beside what running requests hold, and a batch is split so that held
+bytes + the batch's step bytes fit; a later step that can never fit fails its request.
+
+Failures: a step runs on snapshots of the recorded states (`LoopKernel.snapshot`), so when a batched step raises,
+every member still has its pre-step state and the batch is re-run request by request from there: the failing
+request fails alone, its batch mates advance exactly once.
 
 Each `tick()`:
   1. retire cancelled / preempted requests at a step boundary (a plan with `cancel_boundary`; reservations and
@@ -25,7 +30,7 @@ import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from optimized.runtime.events import Event, EventBus
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
@@ -33,6 +38,10 @@ from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
 
 class RequestRejected(ValueError):
     """A request refused at submission (invalid, or can never fit); the message says why."""
+
+
+class UnknownRequest(ValueError):
+    """A request id the scheduler never accepted (e.g. `cancel("nosuch")`)."""
 
 
 class RequestFailed(RuntimeError):
@@ -109,31 +118,47 @@ class WorkUnitScheduler:
         if rid in self.records:
             raise RequestRejected(f"request id {rid!r} already used")
         try:
+            estimate = kernel.estimate(request)  # from the request alone: nothing is allocated yet
+            if estimate is not None and estimate.total_bytes > self.memory_budget_bytes:
+                self._reject(rid, f"request needs about {estimate.held_bytes} bytes held + {estimate.step_bytes} "
+                                  f"bytes for its largest step, more than the whole budget "
+                                  f"({self.memory_budget_bytes}); it can never fit")
             state = kernel.init_state(request)
+        except RequestRejected:
+            raise
         except ValueError as e:  # invalid request: refused here, nothing else is disturbed
-            self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": str(e)}))
-            raise RequestRejected(str(e)) from None
+            self._reject(rid, str(e))
         need = kernel.admission(state)
         first_step = kernel.plan_step(state).resources.device_bytes
         if need.device_bytes + first_step > self.memory_budget_bytes or not kernel.fits_ever(state):
             kernel.release(state)
-            reason = (f"request needs {need.device_bytes} bytes held + {first_step} bytes for its first step, more "
-                      f"than the whole budget ({self.memory_budget_bytes}) or the loop's own pool; it can never fit")
-            self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": reason}))
-            raise RequestRejected(reason)
+            self._reject(rid, f"request needs {need.device_bytes} bytes held + {first_step} bytes for its first "
+                              f"step, more than the whole budget ({self.memory_budget_bytes}) or the loop's own "
+                              f"pool; it can never fit")
         rec = RequestRecord(rid, kernel, state, need, arrival=len(self.records))
         self.records[rid] = rec
         self.waiting.append(rid)
         self._emit("request.accepted", rec, reservation_bytes=need.device_bytes)
         return rec
 
+    def _reject(self, rid: str, reason: str) -> NoReturn:
+        self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": reason}))
+        raise RequestRejected(reason) from None
+
+    def record(self, request_id: str) -> RequestRecord:
+        """The record of an accepted request; UnknownRequest for an id never accepted."""
+        rec = self.records.get(request_id) if isinstance(request_id, str) else None
+        if rec is None:
+            raise UnknownRequest(f"no request with id {request_id!r} was accepted by this scheduler")
+        return rec
+
     def cancel(self, request_id: str) -> None:
-        """Takes effect at the next step boundary."""
-        self.records[request_id].cancel_requested = True
+        """Takes effect at the next step boundary (a request that already ended is left as it is)."""
+        self.record(request_id).cancel_requested = True
 
     def preempt(self, request_id: str) -> None:
         """Move a running request back to waiting at the next step boundary (its loop state is kept)."""
-        self.records[request_id].preempt_requested = True
+        self.record(request_id).preempt_requested = True
 
     @property
     def idle(self) -> bool:
@@ -252,10 +277,14 @@ class WorkUnitScheduler:
         kernel = recs[0].kernel
         t0 = time.perf_counter()
         try:
-            new_states = kernel.run_step([r.state for r in recs], plans)
+            # the step advances snapshots: until it returns, every record keeps its pre-step state
+            new_states = kernel.run_step([kernel.snapshot(r.state) for r in recs], plans)
+            if len(new_states) != len(recs):
+                raise RuntimeError(f"{kernel.loop_id or type(kernel).__name__}.run_step returned "
+                                   f"{len(new_states)} states for {len(recs)} requests")
         except Exception as e:  # a failing step fails its own request, not the engine or its batch mates
             if len(recs) > 1:
-                for rid, plan in zip(rids, plans):  # isolate the culprit: rerun each alone
+                for rid, plan in zip(rids, plans):  # isolate the culprit: rerun each alone from its pre-step state
                     self._run_group([rid], [plan], batch_key)
                 return
             for rec in recs:

@@ -6,6 +6,11 @@ over that request's blocks, and samples with the rule in manifests/cosmos3/reaso
 reserved at admission for prompt + max_new_tokens and returned on completion or cancellation. When the
 reasoning ends, the request's whole text (prompt + generated) can be exported as an und-stream cache entry
 for the generator: the und stream is causal, so its K/V are the same whether built token by token or at once.
+
+Steps are functional: `run_step` returns new states (new token lists, a cloned generator) and never changes the
+states it is given; its only side effect, writing K/V into the request's blocks at the positions its input state
+names, is the same however often the step is re-run from that state (so a batch that fails part-way and is re-run
+request by request advances every other request exactly once).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from manifests.cosmos3.reasoning import ReasonRequest
 from optimized.models.cosmos3 import ops, packing
 from optimized.models.cosmos3.model import Cosmos3Fast, UndKV
 from optimized.runtime.kv import KVBlockPool
-from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+from optimized.runtime.loop import LoopKernel, RequestEstimate, ResourceRequest, WorkPlan
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,6 @@ class ARState:
     logits: list[torch.Tensor] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     cached: int = 0                                # positions whose K/V are in the blocks
-    pending_logits: torch.Tensor | None = None     # logits that choose the next token
     done: bool = False
     stopped_by: str = ""
     flushing: bool = False                         # one more step only to cache the last token's K/V
@@ -66,6 +70,12 @@ def choose_token(logits: torch.Tensor, req: ReasonRequest, generator: torch.Gene
     return int(torch.multinomial(x.softmax(-1), 1, generator=generator))
 
 
+def clone_generator(g: torch.Generator) -> torch.Generator:
+    out = torch.Generator(device=g.device)
+    out.set_state(g.get_state())
+    return out
+
+
 def text_positions(cfg, start: int, n: int) -> torch.Tensor:
     """Positions start..start+n-1 on all three mRoPE axes (float when fps modulation is on, as upstream)."""
     return packing.text_position_ids(start + n, cfg.enable_fps_modulation)[:, start:]
@@ -82,16 +92,41 @@ class ARDecodeLoop(LoopKernel[ARState]):
         self.axis = ops.mrope_axis_of_column(cfg.head_dim // 2, cfg.rope_axes_dim)
 
     # ---- request -> state
-    def init_state(self, job: ReasonJob | ReasonRequest) -> ARState:
-        job = job if isinstance(job, ReasonJob) else ReasonJob(job)
+    @staticmethod
+    def _job(job: ReasonJob | ReasonRequest) -> ReasonJob:
+        return job if isinstance(job, ReasonJob) else ReasonJob(job)
+
+    def _validated(self, job: ReasonJob | ReasonRequest) -> ReasonJob:
+        job = self._job(job)
+        if not isinstance(job.request, ReasonRequest):
+            raise ValueError(f"the reasoning loop takes a ReasonRequest, got {type(job.request).__name__}")
         try:
             job.request.validate(self.fast.cfg)
         except ManifestError as e:
             raise ValueError(str(e)) from None
+        return job
+
+    def init_state(self, job: ReasonJob | ReasonRequest) -> ARState:
+        job = self._validated(job)
         return ARState(job, torch.Generator().manual_seed(job.request.seed), job.request.prompt_ids.tolist())
 
+    def _held_bytes(self, request: ReasonRequest) -> int:
+        return self.pool.blocks_for(request.max_total_tokens) * self.pool.bytes_per_block
+
+    def _step_bytes(self, tokens: int) -> int:
+        """Transient bytes of a step over `tokens` new tokens: hidden / MLP activations, every layer's K, K-for-gen
+        and V of the prefill (kept until written to the blocks), one row of fp32 logits."""
+        cfg = self.fast.cfg
+        elem = torch.finfo(self.fast.dtype).bits // 8
+        kv = 3 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        return tokens * (8 * cfg.hidden_size + 2 * cfg.intermediate_size + kv) * elem + cfg.vocab_size * 4
+
+    def estimate(self, job: ReasonJob | ReasonRequest) -> RequestEstimate:
+        request = self._validated(job).request
+        return RequestEstimate(self._held_bytes(request), self._step_bytes(request.prompt_ids.numel()))
+
     def admission(self, s: ARState) -> ResourceRequest:
-        return ResourceRequest(device_bytes=self.pool.blocks_for(s.request.max_total_tokens) * self.pool.bytes_per_block)
+        return ResourceRequest(device_bytes=self._held_bytes(s.request))
 
     def reserve(self, s: ARState) -> bool:
         if s.blocks:  # re-admitted after a preemption: it kept its blocks (and their contents)
@@ -118,7 +153,7 @@ class ARDecodeLoop(LoopKernel[ARState]):
         return WorkPlan(request_id="", loop_id=self.loop_id, phase="ar_prefill" if prefill else "ar_token",
                         step_index=len(s.generated),
                         batch_key=(id(self.fast), "ar_prefill" if prefill else "ar_token"),
-                        resources=ResourceRequest(cost_seconds=flops / 5e10),
+                        resources=ResourceRequest(device_bytes=self._step_bytes(n), cost_seconds=flops / 5e10),
                         shape_signature=f"tokens={n}" if prefill else f"ctx={len(s.tokens)}",
                         info={"position": len(s.tokens) - 1})
 
@@ -126,12 +161,13 @@ class ARDecodeLoop(LoopKernel[ARState]):
     def run_step(self, states: Sequence[ARState], plans: Sequence[WorkPlan]) -> list[ARState]:
         with torch.inference_mode():
             if plans[0].phase == "ar_prefill":
-                self._prefill(states)
+                cached, logits = self._prefill(states)
             else:
-                self._decode(states)
-        return [self._sample(s) for s in states]
+                cached, logits = self._decode(states)
+        return [self._sample(s, c, x) for s, c, x in zip(states, cached, logits)]
 
-    def _prefill(self, states: Sequence[ARState]) -> None:
+    def _prefill(self, states: Sequence[ARState]) -> tuple[list[int], torch.Tensor]:
+        """K/V of every prompt into its blocks; (positions cached, the logits choosing each first token)."""
         fast = self.fast
         texts = [torch.tensor(s.tokens) for s in states]
         x, bounds, K, K4g, V, _ = fast.und_pass(texts, self.axis)
@@ -140,9 +176,9 @@ class ARDecodeLoop(LoopKernel[ARState]):
             a, b = bounds[i], bounds[i + 1]
             for li in range(fast.cfg.num_layers):
                 self.pool.write(li, s.blocks, 0, K[li, a:b], V[li, a:b], K4g[li, a:b])
-            s.cached, s.pending_logits = b - a, logits[i]
+        return [bounds[i + 1] - bounds[i] for i in range(len(states))], logits
 
-    def _decode(self, states: Sequence[ARState]) -> None:
+    def _decode(self, states: Sequence[ARState]) -> tuple[list[int], torch.Tensor]:
         """One new token per request: its K/V appended to the request's blocks, attention over them."""
         fast, cfg = self.fast, self.fast.cfg
         x = F.embedding(torch.tensor([s.tokens[-1] for s in states], device=fast.device),
@@ -164,33 +200,28 @@ class ARDecodeLoop(LoopKernel[ARState]):
                 outs.append(fast._attend(q[i:i + 1], ck, cv, causal=False))
             x = x + F.linear(torch.cat(outs), w.o_w, w.o_b)
             x = x + fast._mlp(x, w)
-        logits = self._logits(x)
-        for i, s in enumerate(states):
-            s.cached += 1
-            s.pending_logits = logits[i]
+        return [s.cached + 1 for s in states], self._logits(x)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         p = self.fast.params
         return F.linear(self.fast._norm(hidden, p["und_norm.weight"]), p["lm_head.weight"]).float()
 
-    def _sample(self, s: ARState) -> ARState:
+    def _sample(self, s: ARState, cached: int, logits: torch.Tensor) -> ARState:
+        """The state after this step: a new state object (new lists, a cloned generator); `s` is left as it was."""
         req = s.request
         if s.flushing:  # the last token's K/V are now cached; nothing more to sample
-            s.done, s.flushing, s.pending_logits = True, False, None
-            return s
-        token = choose_token(s.pending_logits, req, s.generator)
-        if s.job.record_logits:
-            s.logits.append(s.pending_logits)
-        s.generated.append(token)
-        s.tokens.append(token)
-        s.pending_logits = None
+            return replace(s, cached=cached, done=True, flushing=False)
+        generator = clone_generator(s.generator) if req.temperature > 0 else s.generator  # greedy draws nothing
+        token = choose_token(logits, req, generator)
+        new = replace(s, generator=generator, cached=cached, tokens=s.tokens + [token],
+                      generated=s.generated + [token], logits=s.logits + [logits] if s.job.record_logits else s.logits)
         if token == req.eos_token_id:
-            s.done, s.stopped_by = True, "eos"
-        elif len(s.generated) >= req.max_new_tokens:
-            s.stopped_by = "max_new_tokens"
-            s.done = not s.job.export_und_kv
-            s.flushing = s.job.export_und_kv
-        return s
+            new.done, new.stopped_by = True, "eos"
+        elif len(new.generated) >= req.max_new_tokens:
+            new.stopped_by = "max_new_tokens"
+            new.done = not s.job.export_und_kv
+            new.flushing = s.job.export_und_kv
+        return new
 
     def is_done(self, s: ARState) -> bool:
         return s.done
