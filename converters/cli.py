@@ -1,7 +1,8 @@
 """`fvconvert`: upstream checkpoint -> canonical checkpoint directory, plus `inspect` and `formats`.
 
-Exit codes: 0 success; 2 bad input or usage (one `fvconvert: error: ...` line on stderr, nothing left
-in OUT); 1 internal error (a bug; set FVCONVERT_DEBUG=1 for the traceback); 130 interrupted.
+Exit codes (one convention for every CLI of the kit): 0 success; 1 the parity post-check failed; 2 bad input,
+usage or setup (one `fvconvert: error: ...` line on stderr, nothing left in OUT); 3 internal error (a bug; set
+FVCONVERT_DEBUG=1 for the traceback); 130 / 143 interrupted by SIGINT / SIGTERM (partial output removed).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from pathlib import Path
 import click
 
 from converters.engine import DEFAULT_MAX_SHARD_BYTES, DTYPE_ALIASES, convert
-from converters.errors import ConversionError
+from converters.errors import ConversionError, ParityCheckFailed
 from converters.families import family_formats, family_names, get_family
 from converters.hooks import get_post_check
 from converters.inspect import human_bytes, human_count, inspect_source
 from converters.manifest import load_manifest
 from converters.pipeline import PIPELINE, detect_format
+from converters.staging import Interrupted
 from manifests.errors import ManifestError
 
 PROG = "fvconvert"
@@ -103,11 +105,17 @@ OUT receives model.safetensors (sharded above --max-shard-size, with
 model.safetensors.index.json), config.json, manifest.json (the resolved
 CheckpointManifest) and conversion_report.json (renames, drops, dtypes, shapes,
 sha256 of inputs and outputs, parity status). It is written in a temporary
-directory beside OUT and renamed at the end: a failed run leaves nothing.
+directory beside OUT (.OUT.fvconvert-tmp-PID-*, with your umask's permissions)
+and put in place at the end: a failed or interrupted run leaves nothing, and a
+run removes what killed runs left. --force swaps OUT atomically; it never
+replaces OUT when OUT is, holds or lies inside the source or its files.
 
 \b
-Exit codes: 0 ok; 2 bad input or usage (one line on stderr, nothing written);
-1 internal error (FVCONVERT_DEBUG=1 shows the traceback); 130 interrupted.
+Exit codes (all fvconvert / fvparity commands):
+  0 ok; 1 parity failure (the post-check on the converted weights failed);
+  2 usage, setup or bad input (one line on stderr, nothing written);
+  3 internal error, a bug (FVCONVERT_DEBUG=1 shows the traceback);
+  130 / 143 interrupted by SIGINT / SIGTERM (the partial output is removed).
 """
 
 
@@ -361,9 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo(f"{PROG}: interrupted", err=True)
         return 130
+    except Interrupted as e:
+        click.echo(f"{PROG}: interrupted by {e}; the partial output was removed", err=True)
+        return e.exit_code
     except click.ClickException as e:
         click.echo(f"{PROG}: error: {' '.join(e.format_message().split())}", err=True)
         return 2
+    except ParityCheckFailed as e:
+        click.echo(f"{PROG}: parity failure: {' '.join(str(e).split())}", err=True)
+        return 1
     except (ConversionError, ManifestError) as e:
         click.echo(f"{PROG}: error: {' '.join(str(e).split())}", err=True)
         return 2
@@ -378,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         click.echo(f"{PROG}: internal error: {type(e).__name__}: {' '.join(str(e).split())} "
                    f"(set FVCONVERT_DEBUG=1 for a traceback)", err=True)
-        return 1
+        return 3
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,7 +18,8 @@ A canonical checkpoint directory holds:
 Memory: tensors are read, transformed and written one canonical tensor at a time (a fuse holds its parts,
 a split keeps its one source), so peak memory is about the largest tensor (twice it when casting), not the
 checkpoint. Every refusal is a ConversionError naming the file and key. OUT is written in a temporary
-directory beside it and renamed into place at the very end; a failed run leaves nothing behind.
+directory beside it and put into place at the very end (converters/staging.py); a failed or interrupted run
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,11 +38,12 @@ from typing import Any, Callable
 
 import torch
 
-from converters.errors import ConversionError, name_some
+from converters.errors import ConversionError, ParityCheckFailed, name_some
 from converters.families import Family, get_family
 from converters.manifest import CheckpointManifest, Rule, load_manifest
 from converters.readers import (ST_TO_TORCH, TensorInfo, WeightReader, hash_files, open_weights, torch_dtype,
                                 weight_kind_of)
+from converters.staging import check_output, make_dir, staged_output, staging_name
 from converters.writer import (INDEX_NAME, OutTensor, json_bytes, plan_shards, shard_names, write_bytes,
                                write_safetensors)
 from manifests.checkpoint import weights_version_of
@@ -813,14 +813,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
-def _is_within(a: Path, b: Path) -> bool:
-    try:
-        a.resolve().relative_to(b.resolve())
-        return True
-    except ValueError:
-        return False
-
-
 def _write_weights(dirpath: Path, tensors: list[OutTensor], fetch, max_shard_bytes: int, meta: dict,
                    on_tensor=None) -> tuple[list[dict], list[str]]:
     shards = plan_shards(tensors, max_shard_bytes)
@@ -898,6 +890,8 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
     prepared = _prepare(family, fmt, src, config, dtype, allow_truncate, variant)
     reader = prepared[3]
     try:
+        res = prepared[2]  # every file the conversion reads: OUT may not replace any of them
+        check_output(src, out, force, [*reader.files, *([res.config_path] if res.config_path else [])])
         with staged_output(out) as tmp:
             report = write_component(tmp, out, prepared, src=src, dtype=dtype, allow_truncate=allow_truncate,
                                      allow_nonfinite=allow_nonfinite, keep_sidecars=keep_sidecars,
@@ -910,68 +904,6 @@ def convert(family: str, fmt: str | CheckpointManifest, src: str | Path, out: st
     say(f"done: {out} ({report.num_output_keys} tensors, {_gib(report.shapes['output_bytes'])}, {report.elapsed_s:.1f}s"
         + (f", {gbs:.2f} GB/s writing" if gbs else "") + ")")
     return report
-
-
-def check_output(src: Path, out: Path, force: bool) -> None:
-    """OUT may be replaced only with force, and never when it is (or holds) the source."""
-    if os.path.lexists(out):
-        if not force:
-            raise ConversionError(f"{out}: output already exists; refusing to overwrite (pass --force / force=True)")
-        if src.exists() and (_is_within(src, out)):
-            raise ConversionError(f"{out}: output is (or contains) the source {src}; refusing to overwrite it")
-    if src.exists() and src.is_dir() and out.resolve() == src.resolve():
-        raise ConversionError(f"{out}: output and source are the same directory")
-
-
-@contextmanager
-def staged_output(out: Path):
-    """A temporary directory beside OUT; renamed onto OUT (replacing it) when the block succeeds, removed (with
-    any parent folders it had to create) when it fails: a failed run leaves nothing behind."""
-    parent = out.parent if str(out.parent) else Path(".")
-    missing_parents = []
-    p = parent
-    while not p.exists():
-        missing_parents.append(p)
-        p = p.parent
-    created: list[Path] = []
-    tmp: Path | None = None
-    published = False
-    try:
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-            created = list(reversed(missing_parents))
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-", dir=parent))
-        except OSError as e:
-            raise ConversionError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
-        try:
-            yield tmp
-        except OSError as e:
-            raise ConversionError(f"{getattr(e, 'filename', None) or out}: {e.strerror or e}") from None
-        try:
-            if os.path.lexists(out):
-                aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-old-", dir=parent))
-                os.replace(out, aside / "old")
-                try:
-                    os.replace(tmp, out)
-                except BaseException:
-                    os.replace(aside / "old", out)
-                    raise
-                finally:
-                    shutil.rmtree(aside, ignore_errors=True)
-            else:
-                os.replace(tmp, out)
-        except OSError as e:
-            raise ConversionError(f"{getattr(e, 'filename', None) or out}: {e.strerror or e}") from None
-        published = True
-    finally:
-        if not published:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            for d in reversed(created):
-                try:
-                    d.rmdir()
-                except OSError:
-                    pass
 
 
 def write_component(tmp: Path, out: Path, prepared: tuple, *, src: Path, dtype, allow_truncate: bool,
@@ -1122,7 +1054,7 @@ def write_component(tmp: Path, out: Path, prepared: tuple, *, src: Path, dtype, 
             target = tmp
             scope = None
             if not plan.parts["complete"]:
-                check_dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.fvconvert-check-", dir=tmp.parent))
+                check_dir = make_dir(tmp.parent / staging_name(out, "check").name)
                 placeholders = _completed_copy(tmp, check_dir, fam, plan, weight_names, resolved)
                 target = check_dir
                 scope = {"checked_parts": plan.parts["filled"], "placeholder_parts": plan.parts["unfilled"],
@@ -1148,7 +1080,7 @@ def write_component(tmp: Path, out: Path, prepared: tuple, *, src: Path, dtype, 
             report.parity = {**result, **({"scope": scope} if scope else {})}
             if str(result["status"]).lower() in ("fail", "failed", "error"):
                 detail = result.get("summary") or result.get("message") or result.get("detail") or ""
-                raise ConversionError(f"{out}: parity post-check on the converted weights says "
+                raise ParityCheckFailed(f"{out}: parity post-check on the converted weights says "
                                       f"{result['status']!r}{': ' + str(detail) if detail else ''}; nothing written")
         report.parity.setdefault("required_level", manifest.parity.level)
 

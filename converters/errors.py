@@ -15,6 +15,10 @@ class ConversionError(Exception):
         return self.args[0]
 
 
+class ParityCheckFailed(ConversionError):
+    """The parity post-check on the converted weights failed (fvconvert exits 1: a parity failure, not bad input)."""
+
+
 def name_some(items, limit: int = 5) -> str:
     """`'a', 'b', 'c' and 7 more` — keeps error lines readable when many keys are involved."""
     items = list(items)

@@ -689,6 +689,10 @@ def check_against_family(m: CheckpointManifest, family) -> CheckpointManifest:
     return m
 
 
+# other names a format goes by: cosmos-framework's own name for its layout
+FORMAT_ALIASES: dict[str, dict[str, str]] = {"cosmos3": {"cosmos_framework": "framework"}}
+
+
 def load_manifest(family: str, fmt: str) -> CheckpointManifest:
     """The validated manifest for converting `fmt` checkpoints of `family` (e.g. "cosmos3", "diffusers").
     `fmt` may also be a path to a manifest JSON file (a custom format)."""
@@ -699,6 +703,7 @@ def load_manifest(family: str, fmt: str) -> CheckpointManifest:
         m = load_manifest_file(fmt)
         return check_against_family(m, get_family(family, m.component))
     known = family_formats(family)
+    fmt = FORMAT_ALIASES.get(family, {}).get(fmt, fmt)
     if fmt not in known:
         raise ConversionError(f"unknown format {fmt!r} for {family}; known formats: {', '.join(known) or 'none'}")
     m = load_manifest_file(fam.checkpoints_dir / f"{fmt}.json")

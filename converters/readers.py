@@ -166,16 +166,24 @@ class SafetensorsReader(WeightReader):
         self._index_map: dict[str, Path] = {}
         shards: list[Path] = []
         checked: dict[str, Path] = {}
-        root = index.parent.resolve()
+        try:
+            root = index.parent.resolve()
+        except (RuntimeError, OSError) as e:
+            raise ConversionError(f"{index}: its folder cannot be resolved ({e})") from None
         for k, f in wm.items():
+            if not isinstance(f, str):  # e.g. a list of shards: not hashable, not a file name
+                raise ConversionError(f"{index}: key {k!r} maps to {f!r}, not to one shard file name (a string)")
             if f not in checked:
-                ok = isinstance(f, str) and bool(f) and "\\" not in f and not f.startswith("/") and all(
+                ok = bool(f) and "\\" not in f and not f.startswith("/") and all(
                     part not in ("", ".", "..") for part in f.split("/"))
                 if ok:
                     try:
                         (index.parent / f).resolve().relative_to(root)
                     except ValueError:
                         ok = False  # a symlinked folder pointing outside
+                    except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+                        raise ConversionError(f"{index}: key {k!r} maps to {f!r}, which cannot be resolved "
+                                              f"({' '.join(str(e).split()) or type(e).__name__}: a symlink loop?)") from None
                 if not ok:
                     raise ConversionError(f"{index}: key {k!r} maps to {f!r}, which is not a plain shard file name "
                                           f"(a relative path inside {index.parent})")
@@ -290,6 +298,10 @@ class TorchReader(WeightReader):
             if not isinstance(v, torch.Tensor):
                 raise ConversionError(f"{self.path}: key {k!r} holds a {type(v).__name__}, not a tensor; "
                                       f"expected a flat state dict")
+            if v.layout != torch.strided or v.is_quantized or getattr(v, "is_nested", False):
+                kind = "quantized" if v.is_quantized else "nested" if getattr(v, "is_nested", False) else str(v.layout)
+                raise ConversionError(f"{self.path}: key {k!r} holds a {kind} tensor; only dense (strided) tensors "
+                                      f"can be converted (save it with .to_dense())")
             self._sd[k] = v
 
     def _load(self):

@@ -1,7 +1,9 @@
 """`fvparity`: run the parity ladder for a model family, list what exists, check upstream goldens.
 
-Exit codes: 0 every check passed; 1 a parity check failed; 2 usage or setup error, or a level that is
-not implemented for the family (never a silent pass); 3 an internal error of the harness itself.
+Exit codes (one convention for every CLI of the kit): 0 every check passed; 1 a parity check failed (an engine
+or probe exception is a failed check of that case, the run goes on); 2 usage, setup or bad input (an unknown
+--device, an unwritable --json, a level not implemented for the family: never a silent pass), found before the
+run; 3 an internal error of the harness itself.
 """
 
 from __future__ import annotations
@@ -22,6 +24,39 @@ def _fail_setup(msg: str) -> None:
     sys.exit(2)
 
 
+EXIT_CODES = ("\b\nExit codes: 0 every check passed; 1 a parity check failed; 2 usage, setup or bad input (checked "
+              "before the run); 3 internal error of the harness (FVPARITY_DEBUG=1 for the traceback).")
+
+
+def check_json_path(json_path: str | None) -> None:
+    """--json must be writable before minutes of checks run: create (or open) it now, remove it if it was new."""
+    if not json_path:
+        return
+    p = Path(json_path)
+    existed = p.exists()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)  # as Report.write_json will
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise SetupError(f"--json {json_path}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        p.unlink(missing_ok=True)
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise SetupError(f"--device {device!r} is not a torch device ({' '.join(str(e).split())[:120]})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SetupError(f"--device {device!r}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SetupError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
 def _emit(report: Report, json_path: str | None) -> None:
     click.echo(report.table())
     click.echo(report.summary())
@@ -40,6 +75,10 @@ def cli() -> None:
     fvparity run cosmos3 --level C0            built-in tiny variants, seeded random weights, CPU
     fvparity run cosmos3 --level C0 --checkpoint OUT   weights converted with fvconvert
     fvparity golden golden/cosmos3/*           compare both sides with upstream-produced cases
+
+    \b
+    Exit codes (every fvparity / fvconvert command): 0 ok; 1 a parity check failed;
+    2 usage, setup or bad input (found before the run); 3 internal error of the harness.
     """
 
 
@@ -82,15 +121,20 @@ def list_cmd(probes: bool) -> None:
 @click.option("--world-size", "world_sizes", type=click.IntRange(1, 64), multiple=True,
               help="Sequence-parallel world size(s) to check against world size 1 (repeatable; families with a "
                    "parallel plan only, e.g. seedvr2; CPU ranks use gloo).")
+@click.option("--graph", type=click.Choice(["eager", "compile", "cuda"]), default="eager", show_default=True,
+              help="How the optimized step body runs: eager, torch.compile per shape bucket, or captured CUDA graphs "
+                   "(levels that take it only, e.g. cosmos3 C1).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the full report (every metric) as JSON to this path.")
-def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, json_path) -> None:
+def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, graph, json_path) -> None:
     """Run parity level LEVEL for FAMILY and print a table of checks.
 
-    Exit code 0 when every check passes, 1 when any fails, 2 on a usage/setup error or when the
-    level is not implemented for the family.
+    Exit code 0 when every check passes, 1 when any fails, 2 on a usage/setup error (unknown --device,
+    unwritable --json: before the run) or when the level is not implemented for the family, 3 internal error.
     """
     try:
+        check_device(device)
+        check_json_path(json_path)
         fam = get_family(family)
         if level not in fam.levels:
             raise SetupError(f"level {level} is not implemented for {family} yet "
@@ -101,6 +145,11 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
             if not fam.supports_world_size:
                 raise SetupError(f"{family} has no sequence-parallel plan; --world-size does not apply")
             extra["world_sizes"] = sorted(set(world_sizes))
+        if graph != "eager":
+            import inspect
+            if "graph" not in inspect.signature(fam.levels[level]).parameters:
+                raise SetupError(f"{family} {level} has no graph modes; --graph {graph} does not apply")
+            extra["graph"] = graph
         report = fam.levels[level](variants=list(variants), checkpoint=checkpoint, device=device,
                                    dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed,
                                    fault=fault, progress=lambda msg: click.echo(msg, err=True), **extra)
@@ -120,11 +169,13 @@ def golden_cmd(case_dirs, side, json_path) -> None:
     run its probe on the reference and the optimized side, compare with the upstream outputs.
 
     A case directory holds case.json, upstream/, inputs.safetensors and outputs.safetensors
-    (see golden/README.md).
+    (see golden/README.md). A missing required output, an undeclared output or a probe exception is a
+    failed check of that case (exit 1); bad case files are a setup error (exit 2).
     """
     from parity.golden import run_golden_cases
 
     try:
+        check_json_path(json_path)
         report = run_golden_cases([Path(p) for p in case_dirs], sides=("reference", "optimized") if side == "both"
                                   else (side,), progress=lambda msg: click.echo(msg, err=True))
     except SetupError as e:

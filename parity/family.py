@@ -36,6 +36,25 @@ class LevelRunner(Protocol):
 
 
 GoldenProbe = Callable[..., list[CheckResult]]     # probe(case: GoldenCase, sides: tuple[str, ...]) -> checks
+
+
+@dataclass(frozen=True)
+class GoldenOutputs:
+    """The outputs.safetensors names a golden probe reads: `required` must be present; `optional` may be
+    (fnmatch patterns allowed, e.g. "block_*"); `required_with` {input name: outputs} are required whenever that
+    input is present. Anything else in a case is undeclared and reported (parity/golden.py)."""
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    required_with: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def golden_probe(required: tuple[str, ...] = (), optional: tuple[str, ...] = (),
+                 required_with: Mapping[str, tuple[str, ...]] | None = None) -> Callable[[GoldenProbe], GoldenProbe]:
+    """Decorator declaring a probe's outputs (as `probe.golden_outputs`); `fvparity golden` checks cases against it."""
+    def mark(fn: GoldenProbe) -> GoldenProbe:
+        fn.golden_outputs = GoldenOutputs(tuple(required), tuple(optional), dict(required_with or {}))
+        return fn
+    return mark
 PostCheck = Callable[[Path], dict]                  # check_converted(tmp_out_dir) -> {"status": ..., ...}
 
 

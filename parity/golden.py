@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from manifests import ManifestError
 from manifests.parity import Tolerance
 from parity.errors import SetupError
-from parity.report import Report
+from parity.report import CheckResult, Report
 
 CASE_FILES = ("case.json", "upstream", "inputs.safetensors", "outputs.safetensors")
 CASE_KEYS = ("family", "probe", "upstream", "upstream_format", "dtype", "seed", "tolerance")
@@ -76,6 +76,54 @@ def read_diffusers_dir(case: GoldenCase, sub: str = "upstream") -> tuple[dict, d
     return config, {k: v.float() for k, v in state.items()}
 
 
+def output_checks(case: GoldenCase, declared) -> list[CheckResult]:
+    """Strict outputs: a required output the case lacks, or an output the probe does not declare (so nothing
+    would compare it), is a failed check. `declared` is the probe's GoldenOutputs (parity/family.py)."""
+    from fnmatch import fnmatchcase
+
+    required = set(declared.required)
+    for inp, outs in declared.required_with.items():
+        if inp in case.inputs:
+            required |= set(outs)
+    allowed = required | set(declared.optional)
+    missing = sorted(n for n in required if n not in case.outputs)
+    extra = sorted(n for n in case.outputs if not any(fnmatchcase(n, pat) for pat in allowed))
+    checks = []
+    if missing:
+        checks.append(CheckResult(f"{case.name}/outputs:required", False,
+                                  detail=f"missing required output(s) {', '.join(missing)} "
+                                         f"(probe {case.meta['probe']})"))
+    if extra:
+        checks.append(CheckResult(f"{case.name}/outputs:undeclared", False,
+                                  detail=f"output(s) {', '.join(extra)} not declared by probe {case.meta['probe']} "
+                                         f"(nothing compares them)"))
+    return checks
+
+
+def run_probe(probe, case: GoldenCase, sides: tuple[str, ...]) -> list[CheckResult]:
+    """One case: its output declaration, then the probe; an exception of the probe or the engine becomes a failed
+    check naming it (the run goes on). A SetupError (bad case files) still stops the run (exit 2)."""
+    import os
+    import traceback
+
+    declared = getattr(probe, "golden_outputs", None)
+    checks = output_checks(case, declared) if declared is not None else []
+    if any(c.name.endswith("outputs:required") for c in checks):
+        return checks  # the probe would compare against nothing (or crash on the missing name)
+    try:
+        with torch.no_grad():
+            checks += probe(case, sides)
+    except SetupError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a failure of what is checked, reported as a failed check
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        detail = f"probe raised {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if os.environ.get("FVPARITY_DEBUG"):
+            detail += f" (at {Path(where.filename).name}:{where.lineno})"
+        checks.append(CheckResult(f"{case.name}/probe", False, detail=detail))
+    return checks
+
+
 def run_golden_cases(paths: list[Path], sides: tuple[str, ...], progress: Callable[[str], None]) -> Report:
     from parity.families import golden_probes
 
@@ -88,5 +136,5 @@ def run_golden_cases(paths: list[Path], sides: tuple[str, ...], progress: Callab
     for c in cases:
         progress(f"[golden] {c.name} ({c.meta['probe']}, {c.meta['upstream'].get('package')} "
                  f"{c.meta['upstream'].get('version')})")
-        report.checks += probes[c.meta["probe"]](c, sides)
+        report.checks += run_probe(probes[c.meta["probe"]], c, sides)
     return report

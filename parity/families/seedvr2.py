@@ -3,7 +3,8 @@
 C0: window geometry (reference listings vs the goldens' listings, optimized vs reference on many grids), the
 planner (every window on exactly one rank of the right world size), the full NaDiT for the 3B and 7B tiny
 variants on ragged / batched / small-frame grids, each at SP world sizes 1..4 (ranks > 1 spawned on gloo),
-with first-divergent-layer localisation; plus the public goldens when present.
+with first-divergent-layer localisation. Golden probes seedvr2.nadit / .vae / .restore run golden/seedvr2/ (the public
+upstream goldens in the project's case format).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from manifests import ManifestError
 from manifests.parity import load_parity_contract
 from manifests.seedvr2 import list_variants, load_variant, nadit_key_shapes
 from parity.errors import SetupError
-from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily
+from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily, golden_probe
 from parity.localise import first_divergence
 from parity.metrics import compare, within
 from parity.report import CheckResult, Report
@@ -35,7 +36,7 @@ DEFAULT_VARIANTS = ("tiny-3b", "tiny-7b")
 SUPPORTS_WORLD_SIZE = True  # fvparity --world-size
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4)
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN_DIRS = (ROOT / "golden" / "seedvr2", ROOT.parent / "shared" / "goldens" / "seedvr2")
+GOLDEN_DIR = ROOT / "golden" / "seedvr2"  # `fvparity golden golden/seedvr2/*/`
 
 # fault name -> (what it breaks, the canonical name the harness must report); planted at any level
 FAULTS_INFO = {
@@ -285,7 +286,7 @@ def nadit_checks(vname: str, dname: str, cfg, state, tol, seed, world_sizes, fau
 def _resolve(variants, checkpoint, seed):
     if checkpoint is not None:
         raise SetupError("seedvr2: --checkpoint is not supported yet; use fvparity golden-style checks "
-                         "(tests/test_seedvr2_golden.py) for converted upstream weights")
+                         "(fvparity golden golden/seedvr2/*/) for converted upstream weights")
     try:
         return [(v, load_variant(v)) for v in (variants or DEFAULT_VARIANTS)]
     except ManifestError as e:
@@ -403,9 +404,123 @@ def run_c4(variants, checkpoint, device, dtypes, seed, fault, progress, world_si
 
 LEVELS = {"C0": run_c0, "C1": run_c1, "C4": run_c4}
 
+
+# ------------------------------------------------------------------------------------------------
+# Upstream golden probes (golden/seedvr2/, made by the official SeedVR code; see golden/README.md)
+# ------------------------------------------------------------------------------------------------
+
+def _golden_weights(case, name: str, variant: str | None = None) -> tuple[object, dict[str, torch.Tensor]]:
+    """(config, canonical state) of upstream/<name> through fvconvert's official_pth manifest (the DiT), or the
+    VAE state as stored (its upstream names are the canonical names)."""
+    from converters import ConversionError, convert_to_state_dict
+    path = case.path / "upstream" / name
+    if not path.is_file():
+        raise SetupError(f"golden case {case.path}: missing upstream/{name}")
+    if variant is None:
+        return None, torch.load(path, weights_only=True, map_location="cpu")
+    try:
+        return convert_to_state_dict("seedvr2", case.meta["upstream_format"], path, variant=variant)
+    except ConversionError as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+
+
+def _nadit_call(model, case, k: int | list[int], **kw) -> torch.Tensor:
+    ks = [k] if isinstance(k, int) else k
+    a = [torch.cat([case.inputs[f"{n}_{j}"] for j in ks]) for n in ("vid", "vid_shape", "txt", "txt_shape", "timestep")]
+    with torch.no_grad():
+        return model(*a, **kw).float()
+
+
+@golden_probe(required=("vid_sample_3b_0", "vid_sample_3b_1", "vid_sample_7b"),
+              optional=("emb_*", "txt_in_*", "vid_in_*"))
+def golden_nadit_probe(case, sides) -> list[CheckResult]:
+    """Each model of params.models on each call (3B: one call each, then both calls as one batch, which must equal
+    the per-call outputs; 7B: both calls as one batch, as upstream ran it), prediction and stored intermediates."""
+    tol, n = case.tolerance, int(case.meta["params"]["num_calls"])
+    checks: list[CheckResult] = []
+    for tag, spec in case.meta["params"]["models"].items():
+        cfg, state = _golden_weights(case, spec["weights"], spec["variant"])
+        for side in sides:
+            model = ref.load_nadit(cfg, state) if side == "reference" else opt.load_fast_nadit(cfg, state)
+            name = f"{case.name}/{side}:{tag}"
+            if tag == "3b":  # upstream 3B mixes text q/k across a batch: its goldens are single-sample calls
+                for k in range(n):
+                    rec = Recorder()
+                    got = _nadit_call(model, case, k, trace=rec)
+                    checks.append(_compare(f"{name}/vid_sample_{k}", got, case.outputs[f"vid_sample_3b_{k}"], tol))
+                    for inter in ("emb", "txt_in", "vid_in"):
+                        want = case.outputs.get(f"{inter}_3b_{k}")
+                        if want is not None:
+                            checks.append(_compare(f"{name}/{inter}_{k}", rec.records[inter].reshape(want.shape),
+                                                   want, tol))
+                got = _nadit_call(model, case, list(range(n)))
+                rows = [case.outputs[f"vid_sample_3b_{k}"] for k in range(n)]
+                checks.append(_compare(f"{name}/batched_per_sample", got, torch.cat(rows), tol))
+            else:
+                got = _nadit_call(model, case, list(range(n)))
+                checks.append(_compare(f"{name}/vid_sample", got, case.outputs[f"vid_sample_{tag}"], tol))
+    return checks
+
+
+@golden_probe(required=("moments", "posterior_mean", "posterior_std", "decoded"),
+              optional=("posterior_logvar",), required_with={"posterior_noise": ("posterior_sample",)})
+def golden_vae_probe(case, sides) -> list[CheckResult]:
+    """Encode (raw moments, posterior mean / std; the sample only when its noise draw is stored) and decode of the
+    stored posterior mean."""
+    from manifests.seedvr2 import load_vae_variant
+    from optimized.models.seedvr2.vae import load_fast_vae
+    from reference.seedvr2.vae import load_vae
+    _, state = _golden_weights(case, "upstream_weights.pth")
+    cfg = load_vae_variant(case.meta["params"]["variant"])
+    tol, x, out = case.tolerance, case.inputs["x"], case.outputs
+    checks = []
+    for side in sides:
+        vae = (load_vae if side == "reference" else load_fast_vae)(cfg, state)
+        with torch.no_grad():
+            checks.append(_compare(f"{case.name}/{side}:moments", vae.encode_moments(x), out["moments"], tol))
+            mean, std = vae.posterior(x)
+            checks.append(_compare(f"{case.name}/{side}:posterior_mean", mean, out["posterior_mean"], tol))
+            checks.append(_compare(f"{case.name}/{side}:posterior_std", std, out["posterior_std"], tol))
+            if "posterior_noise" in case.inputs:
+                checks.append(_compare(f"{case.name}/{side}:posterior_sample", mean + std * case.inputs["posterior_noise"],
+                                       out["posterior_sample"], tol))
+            checks.append(_compare(f"{case.name}/{side}:decoded", vae.decode(out["posterior_mean"]), out["decoded"], tol))
+    return checks
+
+
+@golden_probe(required=("cond_latent", "dit_vid_sample", "x0_latent", "decoded", "output_uint8"))
+def golden_restore_probe(case, sides) -> list[CheckResult]:
+    """The one-step restoration end to end; output_uint8 may differ by one where decoded sits on a rounding tie."""
+    from manifests.seedvr2 import load_vae_variant
+    from optimized.models.seedvr2.pipeline import RestorationLoop
+    from optimized.models.seedvr2.vae import load_fast_vae
+    from reference.seedvr2.sampler import restore
+    from reference.seedvr2.vae import load_vae
+    params, tol, i, o = case.meta["params"], case.tolerance, case.inputs, case.outputs
+    cfg, dit_state = _golden_weights(case, "dit.pth", params["variant"])
+    _, vae_state = _golden_weights(case, "vae.pth")
+    vae_cfg = load_vae_variant(params["vae_variant"])
+    args = (i["lq_video"], i["txt_pos"], i["noise"], i["vae_posterior_noise"])
+    checks = []
+    for side in sides:
+        if side == "reference":
+            r = restore(ref.load_nadit(cfg, dit_state), load_vae(vae_cfg, vae_state), *args)
+        else:
+            r = RestorationLoop(opt.load_fast_nadit(cfg, dit_state), load_fast_vae(vae_cfg, vae_state)).generate(*args)
+        for name in ("cond_latent", "dit_vid_sample", "x0_latent", "decoded"):
+            checks.append(_compare(f"{case.name}/{side}:{name}", getattr(r, name), o[name], tol))
+        diff = (r.output_uint8.int() - o["output_uint8"].int()).abs()
+        ok = diff.shape == o["output_uint8"].shape and int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3
+        checks.append(CheckResult(f"{case.name}/{side}:output_uint8", ok,
+                                  detail=f"max |diff| {int(diff.max())}, {int((diff > 0).sum())} values off by one"))
+    return checks
+
+
+PROBES = {"seedvr2.nadit": golden_nadit_probe, "seedvr2.vae": golden_vae_probe, "seedvr2.restore": golden_restore_probe}
+
 FAMILY = ParityFamily(
     name="seedvr2",
     description="NaDiT with 3D window attention, one-step restoration, window-aligned sequence parallelism",
     levels=LEVELS, variants=variants, default_variants=DEFAULT_VARIANTS,
     faults=tuple(Fault(name, what, "C0", layer) for name, (what, layer) in FAULTS_INFO.items()),
-    supports_world_size=SUPPORTS_WORLD_SIZE)
+    golden_probes=PROBES, supports_world_size=SUPPORTS_WORLD_SIZE)
