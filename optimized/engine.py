@@ -22,9 +22,17 @@ from optimized.registry import UnknownFamily, family, family_of_config, family_o
 from optimized.runtime.events import Event, EventBus
 from optimized.runtime.family import FamilyEntry, LoopOptions
 from optimized.runtime.loop import LoopKernel
-from optimized.runtime.scheduler import RequestRecord, RequestRejected, WorkUnitScheduler
+from optimized.runtime.scheduler import RequestRecord, RequestRejected, UnknownRequest, WorkUnitScheduler
 
-__all__ = ["Engine", "RequestHandle", "RequestRejected"]
+__all__ = ["Engine", "RequestHandle", "RequestRejected", "UnknownRequest", "check_finite_weights"]
+
+
+def check_finite_weights(weights: dict[str, dict[str, torch.Tensor]], where: str = "weights") -> None:
+    """Refuse NaN / Inf in any floating-point tensor, naming the component and key (ValueError)."""
+    for component, state in weights.items():
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{where}: component {component!r} key {key!r} holds NaN/Inf values")
 
 
 @dataclass
@@ -75,8 +83,9 @@ class Engine:
     @classmethod
     def from_weights(cls, cfg: Any, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
                      dtype: torch.dtype = torch.float32, weights_version: str | None = None, **kw) -> "Engine":
-        """Canonical weights by component (the family is the one whose config class `cfg` is)."""
+        """Canonical weights by component (the family is the one whose config class `cfg` is); NaN / Inf refused."""
         entry = family_of_config(cfg)
+        check_finite_weights(weights)
         return cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=weights_version), entry, **kw)
 
     @classmethod
@@ -123,7 +132,7 @@ class Engine:
         missing = [n for n in need if n not in ckpt.components]
         if missing:
             raise CheckpointError(f"{path}: {entry.name} needs components {need}; missing {missing}")
-        weights = {n: load_state(ckpt, component=n if ckpt.is_model else None) for n in need}
+        weights = {n: load_state(ckpt, component=n if ckpt.is_model else None, check_finite=True) for n in need}
         return cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=ckpt.weights_version),
                    entry, **kw)
 
@@ -145,10 +154,40 @@ class Engine:
             job = self.family.make_job(name, request, **options)
         except TypeError as e:
             raise RequestRejected(str(e)) from None
+        too_big = self.family.capabilities.size_problem(request, self.family.name)  # before anything is allocated
+        if too_big:
+            raise RequestRejected(too_big)
         return RequestHandle(self, self.scheduler.submit(self.loop(name), job, request_id))
 
-    def generate(self, request: Any, **options: Any) -> Any:
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request at its next step boundary; UnknownRequest (a ValueError) for an id never accepted."""
+        self.scheduler.cancel(request_id)
+
+    def generate(self, request: Any = None, *, prompt: str | None = None, **options: Any) -> Any:
+        """`generate(request)`: the loop's result. `generate(prompt=..., image=..., out=..., ...)`: the family's
+        processor builds the request, then the video program runs it (a VideoResult)."""
+        if prompt is not None:
+            from optimized.serving.requests import request_from_prompt
+            out, image = options.pop("out", None), options.pop("image", None)
+            request, image = request_from_prompt(self, prompt, image=image, **options)
+            return self.generate_video(request, out, image=image)
         return self.submit(request, **options).result()
+
+    def start_video(self, request: Any, out: Any = None, **kw: Any) -> Any:
+        """[encode] -> denoise -> decode as scheduled work; a VideoProgram (`.result()`, `.cancel()`, events)."""
+        from optimized.programs import start_video
+        return start_video(self, request, out=out, **kw)
+
+    def generate_video(self, request: Any, out: Any = None, **kw: Any) -> Any:
+        """Blocking: a VideoResult (frames [F, H, W, 3] uint8, audio, latents, timings, ids); artifacts written
+        atomically when `out` is given (OUT.mp4 + OUT.json sidecar, or a directory of PNG frames + video.json)."""
+        return self.start_video(request, out, **kw).result()
+
+    def deployment_card(self) -> dict:
+        """What this instance serves, as JSON-ready data (family, variant, weights version, capabilities, dtypes,
+        buckets captured, parallel plan, memory reserved)."""
+        from optimized.serving.card import deployment_card
+        return deployment_card(self).to_dict()
 
     submit_reasoning = submit     # the request's type picks the loop: reasoning requests go to the reasoning loop
     reason = generate
@@ -192,3 +231,10 @@ class Engine:
 
     def run_until_idle(self) -> None:
         self.scheduler.run_until_idle()
+
+    def update_weights(self, weights: Any, version: str | None = None, policy: str = "finish") -> Any:
+        """New weights for the resident instance (a checkpoint path, {component: state} or a state dict) under a new
+        version: in-flight requests finish on their version ("finish") or are drained first ("drain"), every cache
+        keyed by the old version is invalidated, later records carry the new one. See optimized/training/weights.py."""
+        from optimized.training.weights import update_weights
+        return update_weights(self, weights, version, policy)

@@ -9,6 +9,8 @@ Sampling rule for one token, from fp32 logits over the vocabulary:
                        draw one index with torch.multinomial(softmax(x), 1, generator), the request's own CPU
                        generator seeded once with `seed` (one draw per generated token).
 Decoding stops at `eos_token_id` (kept in the output) or after `max_new_tokens`.
+Temperatures in (0, MIN_TEMPERATURE) are refused: sampling there is greedy in effect (a logit gap of 1e-4 becomes
+100 nats) while logits / temperature can overflow fp32 to inf (and softmax to NaN); ask for greedy with 0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ import torch
 
 from manifests.cosmos3.config import Cosmos3Config
 from manifests.errors import ManifestError
+
+MIN_TEMPERATURE = 1e-6
+SEED_LIMIT = 2 ** 64            # torch.Generator.manual_seed takes an unsigned 64-bit integer
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -43,13 +56,18 @@ class ReasonRequest:
         need(ids.numel() > 0, "the prompt is empty")
         need(int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size,
              f"prompt token ids must lie in [0, {cfg.vocab_size}), got range [{int(ids.min())}, {int(ids.max())}]")
-        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+        need(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
              f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        need(math.isfinite(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
-        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(self.eos_token_id is None or 0 <= self.eos_token_id < cfg.vocab_size,
+        need(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be >= 0, got {self.temperature!r}")
+        need(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+             f"temperature {self.temperature!r} is below {MIN_TEMPERATURE}: greedy in effect but logits / "
+             f"temperature overflow; use temperature=0 for greedy decoding")
+        need(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be >= 0, got {self.top_k!r}")
+        need(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        need(_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT,
+             f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        need(self.eos_token_id is None or (_is_int(self.eos_token_id) and 0 <= self.eos_token_id < cfg.vocab_size),
              f"eos_token_id must lie in [0, {cfg.vocab_size})")
         return self
 

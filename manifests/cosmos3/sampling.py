@@ -11,8 +11,17 @@ import torch
 from manifests.cosmos3.config import Cosmos3Config
 from manifests.errors import ManifestError
 from manifests.solvers import UniPCConfig  # noqa: F401  (re-exported: the cosmos3 request's sampler settings)
+from manifests.solvers import SDEConfig  # noqa: F401  (sde: stochastic rollout steps with logprobs)
 
 ACTION_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class Cosmos3GenerateRequest:
     noise_vision: torch.Tensor | None = None   # explicit initial latents (already mixed with conditioning)
     noise_sound: torch.Tensor | None = None
     noise_action: torch.Tensor | None = None
+    sde: SDEConfig | None = None              # SDE rollout steps on the UniPC schedule (RL); None = ODE
 
     def validate(self, cfg: Cosmos3Config) -> "Cosmos3GenerateRequest":
         def need(cond: bool, msg: str) -> None:
@@ -63,12 +73,19 @@ class Cosmos3GenerateRequest:
                  f"{name} has token ids outside [0, {cfg.vocab_size})")
         for name in ("latent_frames", "latent_height", "latent_width"):
             v = getattr(self, name)
-            need(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}")
-        need(isinstance(self.num_steps, int) and self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps!r}")
-        need(math.isfinite(self.guidance_scale), f"guidance_scale must be finite, got {self.guidance_scale}")
-        need(math.isfinite(self.fps) and self.fps > 0, f"fps must be > 0, got {self.fps}")
+            need(_is_int(v) and v > 0, f"{name} must be a positive int, got {v!r}")
+        need(_is_int(self.num_steps) and self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps!r}")
+        need(_is_number(self.guidance_scale) and math.isfinite(self.guidance_scale),
+             f"guidance_scale must be finite, got {self.guidance_scale!r}")
+        need(_is_number(self.fps) and math.isfinite(self.fps) and self.fps > 0, f"fps must be > 0, got {self.fps!r}")
         need(self.seed is not None or self.noise_vision is not None, "give a seed or explicit noise")
+        need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2 ** 64),
+             f"seed must be an int in [0, 2**64) or None, got {self.seed!r}")
         self.scheduler.validate()
+        if self.sde is not None:  # the SDE draws its per-step noise from the request's seeded generator
+            need(isinstance(self.sde, SDEConfig), "sde must be an SDEConfig")
+            self.sde.validate(self.num_steps)
+            need(self.seed is not None, "sde sampling needs a seed (its step noise is drawn from it)")
         T = self.latent_frames
         need(all(0 <= f < T for f in self.vision_condition_frames),
              f"vision_condition_frames {list(self.vision_condition_frames)} out of range for {T} latent frames")
@@ -78,7 +95,8 @@ class Cosmos3GenerateRequest:
                  f"condition_latents of shape {list(shape)} are required with vision_condition_frames")
         if self.noise_vision is not None:
             need(tuple(self.noise_vision.shape) == shape, f"noise_vision must have shape {list(shape)}")
-        need(self.sound_frames >= 0, "sound_frames must be >= 0")
+        need(_is_int(self.sound_frames) and self.sound_frames >= 0, f"sound_frames must be an int >= 0, got "
+             f"{self.sound_frames!r}")
         if self.sound_frames:
             need(cfg.has_sound, "sound requested but the model has no sound head")
             if self.noise_sound is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from manifests.errors import ManifestError
+from manifests.solvers import SDEConfig
 from manifests.wan.model import SOLVERS, WanModelConfig
 
 
@@ -36,6 +37,7 @@ class WanGenerateRequest:
     noise: Any = None                             # float tensor [1, C, T, h, w]: explicit initial latents
     image: Any = None                             # i2v / ti2v: float tensor [3, height, width] in [-1, 1]
     image_embeds: Any = None                      # 2.1 I2V: float tensor [N, image_dim] (CLIP penultimate layer)
+    sde: SDEConfig | None = None                  # SDE rollout steps on the solver's schedule (RL); None = ODE
 
     @property
     def uses_cfg(self) -> bool:
@@ -88,9 +90,14 @@ class WanGenerateRequest:
             need(self.negative_text_ids is not None, "guidance_scale > 1 needs negative_text_ids")
         if self.negative_text_ids is not None:
             ids_ok(self.negative_text_ids, "negative_text_ids")
-        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0),
-             f"seed must be a non-negative int or None, got {self.seed!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                   and 0 <= self.seed < 2 ** 64),  # torch manual_seed takes an unsigned 64-bit int
+             f"seed must be an int in [0, 2**64) or None, got {self.seed!r}")
         need(self.solver is None or self.solver in SOLVERS, f"solver must be one of {SOLVERS}, got {self.solver!r}")
+        if self.sde is not None:  # the SDE draws its per-step noise from the request's seeded generator
+            need(isinstance(self.sde, SDEConfig), "sde must be an SDEConfig")
+            self.sde.validate(self.num_steps)
+            need(self.seed is not None, "sde sampling needs a seed (its step noise is drawn from it)")
         need(self.flow_shift is None or (isinstance(self.flow_shift, (int, float)) and 0 < self.flow_shift < 1e3),
              f"flow_shift must be a positive number, got {self.flow_shift!r}")
         if self.noise is not None:

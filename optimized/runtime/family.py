@@ -111,6 +111,7 @@ class FamilyEntry:
     programs: Mapping[str, Callable[..., Any]] = field(default_factory=dict)          # name -> (engine, *args)
     caches: Callable[[Any], tuple[CacheStore, ...]] = lambda instance: ()   # the instance's caches (traced)
     parallelize: Callable[[Any, Any], Any] | None = None     # (instance, parallel plan / mesh) -> instance
+    processor: Callable | None = None                        # (tokenizer_dir | None) -> processor with build_request
 
     def validate(self) -> "FamilyEntry":
         if not self.name or not self.name.isidentifier():

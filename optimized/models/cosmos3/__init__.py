@@ -14,7 +14,8 @@ from optimized.models.cosmos3 import ops, packing
 from optimized.models.cosmos3.model import Cosmos3Fast, Cosmos3FastStats, UndKV, load_fast, run_layer
 from optimized.models.cosmos3.packing import PackedLayout, pack_layout, timestep_embedding_rows
 from optimized.models.cosmos3.spec import TRANSFORMER, cosmos3_model_spec, transformer_component
-from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, seeded_random_state
+from optimized.parallel.plan import AttentionShape, ModelShapes, ParallelismContract
+from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, RequestExtent, seeded_random_state
 
 
 def _load(cfg: Cosmos3Config, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
@@ -58,6 +59,34 @@ def reason_then_generate(engine, reasoning: ReasonRequest, generation: Cosmos3Ge
                  first_options={"export_und_kv": True}, names=("reasoning", "generation"))
 
 
+def _extent(request) -> RequestExtent | None:
+    """Pixel sizes of a generation (the Wan2.2 VAE: 4x causal temporal, 16x spatial); tokens of a prompt."""
+    if isinstance(request, Cosmos3GenerateRequest):
+        texts = [t for t in (request.text_ids, request.negative_text_ids) if isinstance(t, torch.Tensor)]
+        return RequestExtent(frames=(request.latent_frames - 1) * 4 + 1, height=request.latent_height * 16,
+                             width=request.latent_width * 16, tokens=max((t.numel() for t in texts), default=None))
+    if isinstance(request, ReasonRequest):
+        return RequestExtent(tokens=request.max_total_tokens)
+    return None
+
+
+PARALLELISM = ParallelismContract(
+    family="cosmos3", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"), implemented=("cfgp",),
+    shapes=lambda cfg: ModelShapes(
+        tuple(AttentionShape(p, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) for p in ("und", "gen")),
+        (cfg.intermediate_size,), cfg.hidden_size),
+    kv_rule="replicate", seq_rule="pad",
+    notes=("the und (text) and gen pathways share one head layout: both are split by the same ulysses x tp",
+           "und K/V cache entries are per plan (sharded by KV head under ulysses / tp): the plan hash is in their key"),
+    cache_keys=lambda fast: ((fast, "und_cache_key"),))
+
+
+def _processor(tokenizer_dir):
+    """prompt / image -> Cosmos3GenerateRequest (optimized/models/cosmos3/processor.py)."""
+    from optimized.models.cosmos3.processor import Cosmos3Processor
+    return Cosmos3Processor(tokenizer_dir)
+
+
 FAMILY = FamilyEntry(
     name="cosmos3",
     config_class=Cosmos3Config,
@@ -70,11 +99,15 @@ FAMILY = FamilyEntry(
     loops={"denoise": _denoise, "reasoning": _reasoning},
     request_types={Cosmos3GenerateRequest: "denoise", ReasonRequest: "reasoning"},
     capabilities=Capabilities(modalities=("video", "image", "sound", "action", "text"),
-                              cfg_policies=("two-forward", "batched", "identity")),
+                              cfg_policies=("two-forward", "batched", "identity"),
+                              max_frames=1025, max_height=4096, max_width=4096, max_tokens=131072,
+                              extent=_extent),  # released default: 189 frames at 720x1280
     jobs={"denoise": _denoise_job, "reasoning": _reason_job},
     request_builders={"video": _video},
     programs={"reason_then_generate": reason_then_generate},
     caches=lambda fast: (fast.und_cache,),
+    parallelize=PARALLELISM,
+    processor=_processor,
 )
 
 __all__ = ["Cosmos3Fast", "Cosmos3FastStats", "FAMILY", "PackedLayout", "UndKV", "cosmos3_model_spec", "load_fast",

@@ -12,7 +12,8 @@ from optimized.models.seedvr2.pipeline import RestorationLoop, RestoreOutput, Re
 from optimized.models.seedvr2.spec import nadit_component, seedvr2_model_spec, vae_component, validate_parallel_plan
 from optimized.models.seedvr2.vae import FastVAE, load_fast_vae
 from optimized.models.seedvr2.windows import PlanCache, build_geometry, make_plan
-from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, seeded_random_state
+from optimized.parallel.plan import ParallelismContract
+from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, RequestExtent, seeded_random_state
 
 DIT, VAE = "dit", "vae"
 
@@ -37,6 +38,17 @@ def _random_weights(cfg: NaDiTConfig, seed: int) -> dict[str, dict[str, torch.Te
                                                                               "group_norm.weight", "norm_out.weight"))}
 
 
+def _extent(request) -> RequestExtent | None:
+    """Pixel sizes of the low-quality clip (3, F, H, W)."""
+    v = getattr(request, "lq_video", None)
+    return RequestExtent(*v.shape[1:]) if isinstance(v, torch.Tensor) and v.ndim == 4 else None
+
+
+# window-aligned SP keeps every head on every rank (no head rule) and balances ragged windows by token count
+PARALLELISM = ParallelismContract(family="seedvr2", axes=("sp_window",), implemented=("sp_window",), seq_rule="none",
+                                  max_cfgp=1)
+
+
 FAMILY = FamilyEntry(
     name="seedvr2",
     config_class=NaDiTConfig,
@@ -48,7 +60,9 @@ FAMILY = FamilyEntry(
     components=lambda cfg: (nadit_component(cfg), vae_component(load_vae_variant(vae_variant_for(cfg)))),
     loops={"restore": lambda inst, opts: RestorationLoop(inst.dit, inst.vae, opts.group)},
     request_types={RestoreRequest: "restore"},
-    capabilities=Capabilities(modalities=("video",), cfg_policies=()),
+    capabilities=Capabilities(modalities=("video",), cfg_policies=(), max_frames=1025, max_height=4096,
+                              max_width=4096, extent=_extent),
+    parallelize=PARALLELISM,
 )
 
 __all__ = ["FAMILY", "FastNaDiT", "FastVAE", "Faults", "PlanCache", "RestorationLoop", "RestoreOutput",

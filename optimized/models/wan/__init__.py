@@ -13,7 +13,8 @@ from optimized.models.wan.spec import DECODE_LOOP, ENCODE_LOOP, vae_component, w
 from optimized.models.wan.vae import ConvCache, FastWanVAE, load_fast_vae
 from optimized.models.wan.vae_loops import (DecodeRequest, EncodeRequest, FastPosterior, VideoChunkEvent,
                                             WanVaeDecodeKernel, WanVaeEncodeKernel, chunk_bytes)
-from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions
+from optimized.parallel.plan import AttentionShape, ModelShapes, ParallelismContract
+from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, RequestExtent
 from optimized.runtime.spec import ComponentSpec
 
 
@@ -46,6 +47,38 @@ def _denoise_job(request: WanGenerateRequest, record_trajectory: bool = False):
     return WanDenoiseJob(request, record_trajectory)
 
 
+def _extent(request) -> RequestExtent | None:
+    """Pixel sizes of a generation or an encode. The limits are the DiT's: RoPE tables of rope_max_seq_len (1024)
+    positions per axis = 1024 latent frames (4 * 1023 + 1 pixel frames) and 1024 patches of 2 x 8 pixels (2.1)."""
+    if isinstance(request, WanGenerateRequest):
+        return RequestExtent(frames=request.num_frames, height=request.height, width=request.width)
+    if isinstance(request, EncodeRequest) and isinstance(request.video, torch.Tensor) and request.video.ndim == 5:
+        return RequestExtent(*request.video.shape[2:])
+    return None
+
+
+def _parallel_shapes(cfg: WanModelConfig) -> ModelShapes:
+    """Every DiT's self- and cross-attention heads (MHA: kv = heads) and FFN width; UMT5 and the VAE replicate."""
+    dits = [("dit", cfg.dit)] + ([("dit_2", cfg.dit_2)] if cfg.two_experts else [])
+    return ModelShapes(tuple(AttentionShape(f"{name}.{kind}", d.num_heads, d.num_heads, d.head_dim)
+                             for name, d in dits for kind in ("self", "cross")),
+                       tuple(d.ffn_dim for _, d in dits), cfg.dit.hidden_size)
+
+
+PARALLELISM = ParallelismContract(
+    family="wan", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"), implemented=("cfgp",),
+    shapes=_parallel_shapes, kv_rule="divide", seq_rule="pad",
+    notes=("ulysses / ring shard the video tokens of self-attention (padded to a multiple of ulysses x ring, "
+           "padded keys masked); cross-attention keeps the whole text on every rank (kv_replicated)",),
+    cache_keys=lambda instance: ((instance.text_encoder, "cache_key"),))
+
+
+def _processor(tokenizer_dir):
+    """prompt / image -> WanGenerateRequest (optimized/models/wan/processor.py)."""
+    from optimized.models.wan.processor import WanProcessor
+    return WanProcessor(tokenizer_dir)
+
+
 FAMILY = FamilyEntry(
     name="wan",
     config_class=WanModelConfig,
@@ -59,9 +92,12 @@ FAMILY = FamilyEntry(
            "vae_decode": lambda instance, opts: WanVaeDecodeKernel(instance.vae),
            "vae_encode": lambda instance, opts: WanVaeEncodeKernel(instance.vae)},
     request_types={WanGenerateRequest: "denoise", DecodeRequest: "vae_decode", EncodeRequest: "vae_encode"},
-    capabilities=Capabilities(modalities=("video",), cfg_policies=("two-forward", "batched")),
+    capabilities=Capabilities(modalities=("video",), cfg_policies=("two-forward", "batched"),
+                              max_frames=4093, max_height=16384, max_width=16384, extent=_extent),
     jobs={"denoise": _denoise_job},
     caches=lambda instance: (instance.text_encoder.cache,),
+    parallelize=PARALLELISM,
+    processor=_processor,
 )
 
 __all__ = ["ConvCache", "DECODE_LOOP", "DecodeRequest", "ENCODE_LOOP", "EncodeRequest", "FAMILY", "FastPosterior",

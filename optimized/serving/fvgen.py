@@ -1,0 +1,256 @@
+"""fvgen: prompt (or token ids) -> video file, through the optimized engine's video program.
+
+  fvgen wan --variant tiny --prompt "a cat" --out clip.mp4                 random weights, no checkpoint (CPU, seconds)
+  fvgen cosmos3 --model OUT --prompt "..." --frames 17 --size 480x640 --out clip.mp4
+  fvgen wan --variant tiny --prompt-ids 5,17,42 --steps 8 --out frames/     a directory: PNG frames + video.json
+  fvgen card wan --variant tiny                                             the DeploymentCard as JSON
+  fvgen serve wan --variant tiny --port 8000                                the HTTP server (`serve` extra)
+
+Output: OUT.mp4 (needs the `video` extra, imageio-ffmpeg) + the sidecar OUT.json (request, seed, weights version,
+timings) [+ OUT.wav when the model makes sound], or a directory (no .mp4 suffix) of frame_00000.png ... + video.json
+[+ audio.wav]. Everything is written atomically (temp + rename); an existing OUT is never overwritten.
+
+Prompts: the family's processor turns a prompt into token ids when the family has one. Without a processor,
+`--prompt-ids 1,2,3` gives the ids directly, and with random weights (`--variant`) a `--prompt` falls back to
+byte-level ids (each UTF-8 byte modulo the text vocabulary, truncated to the model's text length); with a converted
+checkpoint and no processor a `--prompt` is refused (use --prompt-ids).
+
+--size is HEIGHTxWIDTH in pixels; --frames is the pixel frame count (4k + 1). Progress (one bar per stage: encode
+chunks, denoise steps, decode chunks) goes to stderr; the result summary (JSON) to stdout.
+
+Exit codes: 0 written; 1 the generation failed or was cancelled (nothing written); 2 usage or setup error (bad
+argument, unknown variant, missing checkpoint or extra, invalid request); 3 a bug in the tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class UsageError(Exception):
+    """Exit 2."""
+
+
+def _family_names() -> list[str]:
+    from optimized.registry import families
+    return sorted(families())
+
+
+def resolve_variant(entry: Any, variant: str) -> str:
+    names = entry.list_variants()
+    if variant in names:
+        return variant
+    if variant == "tiny":  # the family's smallest text-to-video variant
+        tiny = sorted(v for v in names if v.startswith("tiny"))
+        for pick in ([v for v in tiny if "t2v" in v], tiny):
+            if pick:
+                return pick[0]
+    raise UsageError(f"{entry.name} has no variant {variant!r}; variants: {', '.join(names)}")
+
+
+def load_engine(family: str | None, model: str | None, variant: str | None, device: str = "cpu",
+                dtype: str = "fp32", plan: str = "none", seed: int = 0) -> Any:
+    import torch
+
+    from optimized import Engine
+    from optimized.registry import UnknownFamily
+    from optimized.registry import family as family_entry
+    if plan not in ("none", "", None):
+        raise UsageError(f"--plan {plan!r}: only 'none' (one device, no parallel plan) is supported by fvgen yet")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    if (model is None) == (variant is None):
+        raise UsageError("give exactly one of --model OUT (a converted checkpoint) or --variant NAME (random weights)")
+    tdtype = getattr(torch, DTYPES[dtype])
+    if variant is not None:
+        if family is None:
+            raise UsageError(f"--variant needs the family: fvgen {{{','.join(_family_names())}}} --variant ...")
+        try:
+            entry = family_entry(family)
+        except UnknownFamily:
+            raise UsageError(f"unknown family {family!r}; families: {', '.join(_family_names())}") from None
+        name = resolve_variant(entry, variant)
+        engine = Engine.from_variant(name, seed=seed, device=device, dtype=tdtype, family=entry.name)
+        engine.__dict__["variant"] = name
+        return engine
+    if not Path(model).exists():
+        raise UsageError(f"--model {model}: no such directory")
+    from manifests.errors import ManifestError
+    try:
+        engine = Engine.from_checkpoint(model, device=device, dtype=tdtype)
+    except ManifestError as e:
+        raise UsageError(str(e)) from None
+    if family is not None and engine.family.name != family:
+        raise UsageError(f"--model {model} holds a {engine.family.name} model, not {family}")
+    engine.__dict__["checkpoint_path"] = str(model)   # where the processor finds the tokenizer files
+    return engine
+
+
+class Progress:
+    """One bar per stage on stderr: '[denoise] ########------  6/8'."""
+
+    def __init__(self, stream=sys.stderr, width: int = 24, quiet: bool = False):
+        self.stream, self.width, self.quiet = stream, width, quiet
+        self.totals: dict[str, int | None] = {}
+        self.current: str | None = None
+
+    def __call__(self, ev: Any) -> None:
+        if self.quiet:
+            return
+        if ev.kind == "request.stage":
+            self._close()
+            self.current = ev.data["stage"]
+            self.totals[self.current] = ev.data.get("total")
+            self._draw(0)
+        elif ev.kind == "progress":
+            self._draw(ev.data["step"])
+        elif ev.kind.startswith("request.") and ev.kind != "request.accepted":
+            self._close()
+            if ev.kind != "request.completed":
+                print(f"{ev.kind.split('.')[1]}: {ev.data.get('error', '')}", file=self.stream)
+
+    def _draw(self, done: int) -> None:
+        total = self.totals.get(self.current) or max(done, 1)
+        fill = int(self.width * min(done, total) / total)
+        unit = "steps" if self.current == "denoise" else "chunks"
+        self.stream.write(f"\r[{self.current:>7}] {'#' * fill}{'-' * (self.width - fill)} {done:>3}/{total} {unit}")
+        self.stream.flush()
+
+    def _close(self) -> None:
+        if self.current is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.current = None
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fvgen", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("family", help="model family: cosmos3 | wan (or `card`, `serve` as the first word)")
+    src = p.add_argument_group("model (exactly one)")
+    src.add_argument("--model", metavar="OUT", help="canonical model directory written by fvconvert")
+    src.add_argument("--variant", help="random weights at a variant's shapes, no checkpoint: 'tiny' picks the "
+                                       "family's tiny text-to-video variant (wan: tiny-2.1-t2v; cosmos3: tiny)")
+    src.add_argument("--seed-weights", type=int, default=0, help="seed of the random weights (default 0)")
+    g = p.add_argument_group("request")
+    g.add_argument("--prompt", help="text prompt (see 'Prompts' above for families without a processor)")
+    g.add_argument("--prompt-ids", help="token ids, comma separated (instead of --prompt)")
+    g.add_argument("--negative-prompt", help="negative prompt (default: empty)")
+    g.add_argument("--negative-prompt-ids", help="negative token ids, comma separated")
+    g.add_argument("--frames", type=int, help="pixel frames, 4k + 1 (default: the family's small default, 5)")
+    g.add_argument("--size", help="HEIGHTxWIDTH in pixels, e.g. 480x640 (default 32x32)")
+    g.add_argument("--steps", type=int, help="denoising steps (default 4)")
+    g.add_argument("--guidance", type=float, help="CFG scale; > 1 runs classifier-free guidance (default 5.0)")
+    g.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+    g.add_argument("--image", help="conditioning image (PNG/JPEG) for image-to-video models")
+    r = p.add_argument_group("run")
+    r.add_argument("--out", help="OUT.mp4 (+ OUT.json sidecar) or a directory for PNG frames (+ video.json)")
+    r.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    r.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model dtype (default fp32)")
+    r.add_argument("--plan", default="none", help="parallel plan; only 'none' is supported for now")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def _card_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fvgen card", description="Print the DeploymentCard (JSON) of a model: family, "
+                                "variant, weights version, capabilities, dtypes, buckets captured, parallel plan, "
+                                "memory reserved.")
+    p.add_argument("family", nargs="?", help="cosmos3 | wan (needed with --variant)")
+    p.add_argument("--model", metavar="OUT")
+    p.add_argument("--variant")
+    p.add_argument("--seed-weights", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--plan", default="none")
+    return p
+
+
+def _run_card(argv: list[str]) -> int:
+    args = _card_parser().parse_args(argv)
+    engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan, args.seed_weights)
+    print(json.dumps(engine.deployment_card(), indent=2, sort_keys=True))
+    return 0
+
+
+def _read_image(path: str) -> Any:
+    from optimized.serving.requests import decode_image
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--image {path}: {e.strerror}") from None
+    return decode_image(data, "--image")
+
+
+def _run_generate(argv: list[str]) -> int:
+    from optimized.serving.families import ServingError
+    from optimized.serving.requests import build_request, parse_size
+    args = _generate_parser().parse_args(argv)
+    if args.out is None:
+        raise UsageError("--out is required (OUT.mp4, or a directory for PNG frames)")
+    if args.prompt is None and args.prompt_ids is None:
+        raise UsageError("give --prompt or --prompt-ids")
+    engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan, args.seed_weights)
+    try:
+        height, width = parse_size(args.size, "--size") if args.size else (None, None)
+        image = _read_image(args.image) if args.image else None
+        request, program_image = build_request(
+            engine, prompt=args.prompt, prompt_ids=args.prompt_ids, negative_prompt=args.negative_prompt,
+            negative_prompt_ids=args.negative_prompt_ids, num_frames=args.frames, height=height, width=width,
+            num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed, image=image)
+        program = engine.start_video(request, args.out, image=program_image)
+    except (ServingError, ValueError) as e:  # invalid request / unusable --out / missing extra: nothing ran
+        raise UsageError(str(e)) from None
+    program.subscribe(Progress(quiet=args.quiet))
+    try:
+        result = program.result()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    summary = {"out": args.out, "paths": result.paths, "frames": list(result.frames.shape),
+               "audio": None if result.audio is None else list(result.audio.shape), "seed": result.seed,
+               "weights_version": result.weights_version, "timings": result.timings,
+               "request_id": result.request_id}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["serve"]:
+            try:
+                from optimized.serving.server import main as serve_main
+            except ImportError as e:
+                raise UsageError(f"fvgen serve needs the optional serve extra (pip install -e '.[serve]'): {e}") \
+                    from None
+            return serve_main(argv[1:])
+        if argv[:1] == ["card"]:
+            return _run_card(argv[1:])
+        return _run_generate(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0) if isinstance(e.code, int) else 2
+    except BrokenPipeError:  # stdout closed early (e.g. piped into head)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 - a bug in the tool
+        traceback.print_exc()
+        print("fvgen: internal error (exit 3); please report it with the command line above", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""From what a user types (a prompt, token ids, a size string, an image file) to a family's request.
+
+Prompt -> token ids is the family processor's job (`FamilyEntry.processor`, with `build_request(prompt=..., ...)`).
+Where a family has none yet:
+  * token ids are always accepted (`prompt_ids`: fvgen `--prompt-ids 1,2,3`, HTTP `"prompt_ids": [1, 2, 3]`);
+  * for random-weight engines only (`--variant`, weights version "random:..."), a prompt falls back to BYTE-LEVEL
+    ids: the prompt's UTF-8 bytes, each taken modulo the text vocabulary, truncated to the model's text length (an
+    empty prompt is one id 0). No real checkpoint is ever fed these ids: with converted weights and no processor a
+    prompt is refused, naming the missing processor.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optimized.serving.families import RequestFields, ServingError, adapter_for
+
+
+def text_limits(engine: Any) -> tuple[int, int]:
+    """(vocabulary size, longest prompt in tokens) of the engine's text input."""
+    cfg = engine.model.cfg
+    te = getattr(cfg, "text_encoder", None)
+    vocab = te.vocab_size if te is not None else cfg.vocab_size
+    return vocab, int(getattr(cfg, "max_sequence_length", 0) or 512)
+
+
+def byte_ids(engine: Any, text: str) -> torch.Tensor:
+    """The byte-level fallback (random-weight engines only): UTF-8 bytes mod vocab, truncated to the text length."""
+    vocab, max_len = text_limits(engine)
+    ids = [b % vocab for b in text.encode("utf-8")][:max_len] or [0]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def parse_ids(value: Any, field: str = "prompt_ids") -> torch.Tensor:
+    """'1,2,3' or [1, 2, 3] -> int64 tensor; ServingError naming the field otherwise."""
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.replace(" ", "").split(",") if v != ""]
+        except ValueError:
+            raise ServingError(f"{field} must be comma-separated integers, got {value!r}") from None
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                                    and v >= 0 for v in value):
+        raise ServingError(f"{field} must be a non-empty list of non-negative integers")
+    return torch.tensor(list(value), dtype=torch.int64)
+
+
+def parse_size(value: Any, field: str = "size") -> tuple[int, int]:
+    """'480x640' (height x width) -> (480, 640)."""
+    try:
+        h, w = (int(v) for v in str(value).lower().split("x"))
+    except ValueError:
+        raise ServingError(f"{field} must be HEIGHTxWIDTH (e.g. 480x640), got {value!r}") from None
+    if h <= 0 or w <= 0:
+        raise ServingError(f"{field} must be positive, got {value!r}")
+    return h, w
+
+
+def decode_image(data: bytes, field: str = "image") -> torch.Tensor:
+    """PNG / JPEG bytes -> [3, H, W] float in [-1, 1] (x / 127.5 - 1, the pipelines' mapping)."""
+    try:
+        from PIL import Image
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+    except ImportError:
+        raise ServingError(f"{field}: reading images needs Pillow (pip install pillow)") from None
+    except Exception as e:  # noqa: BLE001 - any decoder failure is a bad upload
+        raise ServingError(f"{field}: not a readable image ({type(e).__name__})") from None
+    import numpy as np
+    x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float()
+    return x / 127.5 - 1.0
+
+
+def decode_base64_image(text: str, field: str = "image") -> torch.Tensor:
+    if text.startswith("data:"):
+        text = text.split(",", 1)[-1]
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ServingError(f"{field} must be base64 (optionally a data: URL) of a PNG or JPEG") from None
+    return decode_image(raw, field)
+
+
+def tokens_for(engine: Any, prompt: str | None, prompt_ids: Any, field: str = "prompt") -> torch.Tensor:
+    if prompt_ids is not None:
+        return parse_ids(prompt_ids, f"{field}_ids")
+    if prompt is None:
+        raise ServingError(f"{field}: give a prompt or {field}_ids")
+    if not str(getattr(engine.model, "weights_version", "") or "").startswith("random:"):
+        raise ServingError(f"{field}: the {engine.family.name} family has no processor (prompt -> token ids) yet; "
+                           f"pass token ids as {field}_ids")
+    return byte_ids(engine, prompt)
+
+
+def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = None,
+                  negative_prompt: str | None = None, negative_prompt_ids: Any = None, num_frames: int | None = None,
+                  height: int | None = None, width: int | None = None, num_steps: int | None = None,
+                  guidance_scale: float | None = None, seed: int | None = 0,
+                  image: torch.Tensor | None = None) -> tuple[Any, torch.Tensor | None]:
+    """A family request from plain fields, and the image the video program must encode (None when the request
+    carries it). Uses the family's processor for prompts when it has one; see the module doc otherwise."""
+    if prompt_ids is None and prompt is not None and processor_for(engine) is not None:
+        return request_from_prompt(engine, prompt, negative_prompt=negative_prompt, num_frames=num_frames,
+                                   height=height, width=width, num_steps=num_steps, guidance_scale=guidance_scale,
+                                   seed=seed, image=image)
+    adapter = adapter_for(engine)
+    text = tokens_for(engine, prompt, prompt_ids)
+    negative = None if negative_prompt is None and negative_prompt_ids is None else \
+        tokens_for(engine, negative_prompt, negative_prompt_ids, "negative_prompt")
+    fields = RequestFields(text, negative, num_frames, height, width, num_steps, guidance_scale, seed,
+                           image if adapter.image_in_request else None)
+    try:
+        request = adapter.build(engine, fields)
+    except ServingError:
+        raise
+    except ValueError as e:
+        raise ServingError(str(e)) from None
+    return request, None if adapter.image_in_request else image
+
+
+def tokenizer_dir(engine: Any) -> Path | None:
+    """The tokenizer files of the engine's model: `engine.tokenizer_dir` when set, else the `tokenizer` asset of the
+    model directory it was loaded from (`engine.checkpoint_path`, set by fvgen / the server), else None."""
+    given = engine.__dict__.get("tokenizer_dir")
+    if given:
+        return Path(given)
+    ckpt = engine.__dict__.get("checkpoint_path")
+    if ckpt is None:
+        return None
+    try:
+        from manifests.checkpoint import read_checkpoint
+        found = read_checkpoint(ckpt).assets.get("tokenizer")
+    except Exception:  # noqa: BLE001 - an unreadable index has no tokenizer to offer
+        found = None
+    found = Path(found) if found is not None else Path(ckpt) / "tokenizer"
+    return found if found.is_dir() else None
+
+
+def processor_for(engine: Any) -> Any | None:
+    """The family's processor over the model's tokenizer files (built once per engine); None when the family has
+    no processor or the model has no tokenizer files (random-weight variants)."""
+    if "_processor" not in engine.__dict__:
+        factory, tdir = getattr(engine.family, "processor", None), tokenizer_dir(engine)
+        engine.__dict__["_processor"] = None if factory is None or tdir is None else factory(tdir)
+    return engine.__dict__["_processor"]
+
+
+def request_from_prompt(engine: Any, prompt: str, *, image: Any = None, negative_prompt: str | None = None,
+                        num_frames: int | None = None, height: int | None = None, width: int | None = None,
+                        num_steps: int | None = None, guidance_scale: float | None = None, seed: int | None = 0,
+                        **extra: Any) -> tuple[Any, Any]:
+    """The family processor's request for `prompt` (`FamilyEntry.processor(tokenizer_dir).build_request(...)`), and
+    the image left for the video program to encode (None: the processor put the image into the request itself,
+    encoding conditioning pixels through the media chain's VAE encode loop where it asks for an encoder)."""
+    import inspect
+    proc = processor_for(engine)
+    if proc is None:
+        has = getattr(engine.family, "processor", None) is not None
+        raise ServingError(f"prompt: the {engine.family.name} " + (
+            "model has no tokenizer files (a converted model directory's tokenizer/, or engine.tokenizer_dir)"
+            if has else "family has no processor (prompt -> request)") +
+            "; pass a request to engine.generate_video(request), or token ids")
+    defaults = adapter_for(engine).defaults
+    kw = dict(num_frames=num_frames or defaults["num_frames"], height=height or defaults["height"],
+              width=width or defaults["width"], steps=num_steps or defaults["num_steps"],
+              guidance=defaults["guidance_scale"] if guidance_scale is None else guidance_scale, seed=seed, **extra)
+    params = inspect.signature(proc.build_request).parameters
+    if image is not None and "encode_vision" in params and "encode_vision" not in kw:
+        from optimized.serving.families import media_chain
+        kw["encode_vision"] = media_chain(engine).encode_pixels
+    try:
+        request = proc.build_request(prompt, negative_prompt, image, **kw)
+    except ValueError as e:
+        raise ServingError(str(e)) from None
+    return request, None

@@ -1,0 +1,111 @@
+"""fvgen: prompt -> video file with random weights (--variant, no checkpoint) in a subprocess, progress bars on stderr,
+the summary on stdout, exit codes 0 / 1 / 2 / 3 as the other CLIs, `fvgen card`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from optimized.serving import fvgen
+from parity.artifacts import read_png_frames
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "optimized.serving.fvgen", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_wan_tiny_to_png_frames_with_progress(tmp_path):
+    out = tmp_path / "frames"
+    p = run_cli("wan", "--variant", "tiny", "--prompt", "hi", "--steps", "3", "--frames", "5", "--size", "32x48",
+                "--seed", "4", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout)
+    assert summary["frames"] == [5, 32, 48, 3] and summary["seed"] == 4
+    assert summary["weights_version"] == "random:wan:tiny-2.1-t2v:0"
+    assert read_png_frames(out).shape == (5, 32, 48, 3)
+    side = json.loads((out / "video.json").read_text())
+    assert side["request"]["text_ids"] == [ord("h"), ord("i")]     # the byte-level fallback (no tokenizer files)
+    assert side["request"]["num_steps"] == 3 and side["request"]["height"] == 32 and side["request"]["width"] == 48
+    assert "3/3 steps" in p.stderr and "[denoise]" in p.stderr and "[ decode]" in p.stderr and "2/2 chunks" in p.stderr
+    assert [x.name for x in tmp_path.iterdir()] == ["frames"]
+
+
+def test_cosmos3_tiny_mp4_with_image_and_card(tmp_path):
+    pytest.importorskip("imageio_ffmpeg")
+    from PIL import Image
+    Image.fromarray((np.indices((32, 32)).sum(0) * 4 % 255).astype("uint8")).convert("RGB").save(tmp_path / "in.png")
+    clip = tmp_path / "clip.mp4"
+    p = run_cli("cosmos3", "--variant", "tiny", "--prompt-ids", "1,2,3", "--image", str(tmp_path / "in.png"),
+                "--steps", "2", "--out", str(clip), "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert clip.read_bytes()[4:8] == b"ftyp" and p.stderr == ""
+    side = json.loads((tmp_path / "clip.json").read_text())
+    assert side["request"]["vision_condition_frames"] == [0] and side["request"]["text_ids"] == [1, 2, 3]
+    card = run_cli("card", "cosmos3", "--variant", "tiny")
+    assert card.returncode == 0, card.stderr
+    c = json.loads(card.stdout)
+    assert c["family"] == "cosmos3" and c["variant"] == "tiny" and c["buckets_captured"] == []
+    assert c["media_weights_version"].startswith("random:")
+
+
+def test_help_answers_questions():
+    p = run_cli("--help")
+    assert p.returncode == 0
+    for needle in ("--variant", "--prompt-ids", "byte-level", "HEIGHTxWIDTH", "Exit codes", "fvgen card", "--plan"):
+        assert needle in p.stdout, needle
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    code = fvgen.main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["wan", "--variant", "tiny", "--prompt", "x", "--plan", "cfgp2", "--out", "{tmp}/a"], "only 'none'"),
+    (["wan", "--variant", "tiny", "--model", "{tmp}", "--prompt", "x", "--out", "{tmp}/a"], "exactly one"),
+    (["wan", "--variant", "nosuch", "--prompt", "x", "--out", "{tmp}/a"], "no variant 'nosuch'"),
+    (["nosuch", "--variant", "tiny", "--prompt", "x", "--out", "{tmp}/a"], "unknown family"),
+    (["wan", "--variant", "tiny", "--prompt", "x", "--size", "30x32", "--out", "{tmp}/a"], "height and width"),
+    (["wan", "--variant", "tiny", "--prompt", "x", "--frames", "6", "--out", "{tmp}/a"], "4k+1"),
+    (["wan", "--variant", "tiny", "--prompt", "x", "--size", "big", "--out", "{tmp}/a"], "HEIGHTxWIDTH"),
+    (["wan", "--variant", "tiny", "--prompt", "x", "--out", "{tmp}"], "already exists"),
+    (["wan", "--variant", "tiny", "--prompt", "x", "--out", "{tmp}/a.gif"], ".mp4 or name a directory"),
+    (["wan", "--variant", "tiny", "--prompt", "x"], "--out is required"),
+    (["wan", "--model", "{tmp}/none", "--prompt", "x", "--out", "{tmp}/a"], "no such directory"),
+    (["wan", "--variant", "tiny", "--prompt-ids", "1,z", "--out", "{tmp}/a"], "comma-separated"),
+    (["wan", "--variant", "tiny", "--prompt", "x", "--image", "{tmp}/none.png", "--out", "{tmp}/a"], "--image"),
+])
+def test_usage_errors_exit_2_and_write_nothing(tmp_path, capsys, argv, needle):
+    code, err = run_main([a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
+    assert code == 2 and needle in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mp4_without_the_video_extra_exits_2_naming_it(tmp_path, capsys, monkeypatch):
+    import optimized.runtime.artifacts as artifacts
+    monkeypatch.setattr(artifacts, "ffmpeg_exe", lambda: None)
+    code, err = run_main(["wan", "--variant", "tiny", "--prompt", "x", "--out", str(tmp_path / "c.mp4")], capsys)
+    assert code == 2 and "video` extra" in err and "imageio-ffmpeg" in err
+
+
+def test_a_failed_generation_exits_1_and_a_bug_exits_3(tmp_path, capsys, monkeypatch):
+    import optimized.programs as programs
+
+    def broken_finish(self, video):
+        raise FloatingPointError("non-finite frames")
+
+    monkeypatch.setattr(programs.VideoProgram, "_finish", broken_finish)
+    code, err = run_main(["wan", "--variant", "tiny", "--prompt", "x", "--steps", "1", "--out",
+                          str(tmp_path / "f")], capsys)
+    assert code == 1 and "non-finite frames" in err and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(fvgen, "_run_generate", lambda argv: 1 / 0)
+    code, err = run_main(["wan"], capsys)
+    assert code == 3 and "ZeroDivisionError" in err and "internal error" in err
