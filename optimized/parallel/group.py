@@ -1,9 +1,14 @@
-"""Process groups for the v2 runtime: a ParallelPlan with named axes, validated at load, and a small SP group
-wrapper over torch.distributed (NCCL on GPU, gloo on CPU). A degree-1 axis is a trivial group that never calls
-torch.distributed, so single-device runs need no process group at all.
+"""One process group per mesh axis (`AxisGroup`; `SPGroup` is its earlier name) over torch.distributed (NCCL on GPU,
+gloo on CPU). A degree-1 axis is a trivial group that never calls torch.distributed, so single-device runs need no
+process group at all. The plan itself lives in optimized/parallel/plan.py (re-exported here).
 
-Collectives used by window-aligned SP: a variable-split all_to_all_single (gloo on CPU supports uneven splits, as
-checked by tests/test_seedvr2_parallel.py; the same call runs on NCCL), a SUM all-reduce and a padded all-gather.
+Every collective goes through `_run`: counted (calls and bytes this rank sends, optionally logged per call for
+tools/bench_parallel.py), announced to a watchdog when one is attached, and turned into one CollectiveError naming
+this rank, the axis and (from the watchdog) the peer that died or stopped, instead of a hang or a raw gloo error.
+
+Collectives: a variable-split all_to_all_single (gloo on CPU supports uneven splits, as checked by
+tests/test_seedvr2_parallel.py; the same call runs on NCCL), a SUM all-reduce, padded and equal all-gathers and a
+ring send/recv step.
 """
 
 from __future__ import annotations
@@ -11,98 +16,91 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-AXES = ("dp", "tp", "sp", "cfgp")
-SP_MODES = ("window", "ulysses", "ring", "allgather", "advanced_uaa", "ulysses_a2a_permute")
-
-
-class ParallelPlanError(ValueError):
-    """A ParallelPlan that a component or loop cannot run (raised at load time, never mid-run)."""
+from optimized.parallel.plan import AXES, SP_MODES, ParallelPlan, ParallelPlanError  # noqa: F401 (re-exported)
 
 
 class CollectiveError(RuntimeError):
     """A peer failed or a collective timed out: the run ends with this error instead of hanging."""
 
 
-@dataclass(frozen=True)
-class ParallelPlan:
-    """Named parallel axes and their degrees; `sp_mode` says how the sp axis is realised."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    degrees: tuple[tuple[str, int], ...] = (("sp", 1),)
-    sp_mode: str = "window"
 
-    def degree(self, axis: str) -> int:
-        return dict(self.degrees).get(axis, 1)
-
-    @property
-    def world_size(self) -> int:
-        n = 1
-        for _, d in self.degrees:
-            n *= d
-        return n
-
-    def validate(self, supported_axes: tuple[str, ...] = AXES, supported_sp_modes: tuple[str, ...] = SP_MODES,
-                 who: str = "model") -> "ParallelPlan":
-        names = [a for a, _ in self.degrees]
-        if len(set(names)) != len(names):
-            raise ParallelPlanError(f"ParallelPlan: duplicate axes {names}")
-        for axis, deg in self.degrees:
-            if axis not in AXES:
-                raise ParallelPlanError(f"ParallelPlan: unknown axis {axis!r}; known: {', '.join(AXES)}")
-            if not isinstance(deg, int) or deg < 1:
-                raise ParallelPlanError(f"ParallelPlan: axis {axis} degree must be a positive int, got {deg!r}")
-            if deg > 1 and axis not in supported_axes:
-                raise ParallelPlanError(f"{who} does not support parallel axis {axis!r} (degree {deg}); "
-                                        f"supported: {', '.join(supported_axes)}")
-        if self.sp_mode not in supported_sp_modes:
-            raise ParallelPlanError(f"{who} rejects sp_mode {self.sp_mode!r}; supported: "
-                                    f"{', '.join(supported_sp_modes)}")
-        return self
-
-    def signature(self) -> str:
-        return ",".join(f"{a}={d}" for a, d in sorted(self.degrees)) + f";sp_mode={self.sp_mode}"
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass
-class SPGroup:
-    """The sequence-parallel group of this rank. `group is None` means world size 1 (no collectives)."""
+class AxisGroup:
+    """This rank's process group along one mesh axis. `group is None` means degree 1 (no collectives).
+    `rank` / `world_size` are within the axis; `ranks` are the members' global ranks in axis order."""
 
     rank: int = 0
     world_size: int = 1
     group: object | None = None
     backend: str = "none"
-    stats: dict = field(default_factory=lambda: {"all_to_all": 0, "all_reduce": 0, "all_gather": 0,
+    axis: str = "sp"
+    ranks: tuple[int, ...] = (0,)
+    stats: dict = field(default_factory=lambda: {"all_to_all": 0, "all_reduce": 0, "all_gather": 0, "send": 0,
                                                   "bytes_sent": 0})
+    log: list | None = None            # when a list: one (axis, op, tag, bytes sent) per collective (benchmarks)
+    tag: str = ""                      # the caller's label for logged calls (e.g. "layer3.self_attn")
+    watchdog: Any = None               # has .enter(what) and .diagnose() -> str (optimized/parallel/watchdog.py)
 
     @classmethod
-    def single(cls) -> "SPGroup":
-        return cls()
+    def single(cls, axis: str = "sp") -> "AxisGroup":
+        return cls(axis=axis)
 
     @classmethod
-    def from_world(cls) -> "SPGroup":
-        """The default (whole-world) process group as the SP group."""
+    def from_world(cls, axis: str = "sp") -> "AxisGroup":
+        """The default (whole-world) process group as one axis."""
         if not dist.is_initialized():
-            return cls.single()
-        return cls(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, dist.get_backend())
+            return cls.single(axis)
+        n = dist.get_world_size()
+        return cls(dist.get_rank(), n, dist.group.WORLD, dist.get_backend(), axis, tuple(range(n)))
 
-    def _run(self, what: str, fn):
+    def _run(self, what: str, fn, sent: int = 0):
+        self.stats["bytes_sent"] += sent
+        if self.log is not None:
+            self.log.append((self.axis, what, self.tag, sent))
+        if self.watchdog is not None:
+            self.watchdog.enter(f"{what} on axis {self.axis}")
         try:
             return fn()
         except Exception as e:  # gloo/NCCL raise on a dead peer or a timeout; make it one clear error
-            raise CollectiveError(f"rank {self.rank}/{self.world_size}: {what} failed ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''})") from e
+            why = self.watchdog.diagnose() if self.watchdog is not None else ""
+            raise CollectiveError(f"rank {self.rank}/{self.world_size} of axis {self.axis}: {what} failed "
+                                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                                  + (f"; {why}" if why else "")) from e
 
     def all_to_all(self, rows: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Variable-split exchange of rows: send_counts[d] rows (in order) go to rank d; recv_counts[r] come from r."""
         out = rows.new_empty((sum(recv_counts),) + tuple(rows.shape[1:]))
         self.stats["all_to_all"] += 1
-        self.stats["bytes_sent"] += (sum(send_counts) - send_counts[self.rank]) * rows[:1].numel() * rows.element_size()
+        sent = (sum(send_counts) - send_counts[self.rank]) * rows[:1].numel() * rows.element_size()
         self._run("all_to_all_single", lambda: dist.all_to_all_single(
             out, rows.contiguous(), output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts),
-            group=self.group))
+            group=self.group), sent)
+        return out
+
+    def all_to_all_equal(self, chunks: torch.Tensor) -> torch.Tensor:
+        """chunks [world_size, ...]: chunk d goes to rank d; returns [world_size, ...] with chunk r from rank r."""
+        if self.group is None:
+            return chunks
+        chunks = chunks.contiguous()
+        out = torch.empty_like(chunks)
+        self.stats["all_to_all"] += 1
+        self._run("all_to_all_single", lambda: dist.all_to_all_single(out, chunks, group=self.group),
+                  _nbytes(chunks) // self.world_size * (self.world_size - 1))
         return out
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +108,21 @@ class SPGroup:
             return x
         x = x.contiguous()
         self.stats["all_reduce"] += 1
-        self._run("all_reduce(SUM)", lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group))
+        # bytes of a direct (reduce-scatter + all-gather) all-reduce: 2 (n-1)/n of the tensor
+        self._run("all_reduce(SUM)", lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group),
+                  2 * _nbytes(x) * (self.world_size - 1) // self.world_size)
         return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's same-shape tensor, in axis order."""
+        if self.group is None:
+            return [x]
+        x = x.contiguous()
+        bufs = [torch.empty_like(x) for _ in range(self.world_size)]
+        self.stats["all_gather"] += 1
+        self._run("all_gather", lambda: dist.all_gather(bufs, x, group=self.group),
+                  _nbytes(x) * (self.world_size - 1))
+        return bufs
 
     def all_gather_rows(self, rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
         """Every rank's rows (counts known to all), padded to the largest count for the collective."""
@@ -120,10 +131,82 @@ class SPGroup:
         most = max(counts)
         padded = rows.new_zeros((most,) + tuple(rows.shape[1:]))
         padded[:rows.shape[0]] = rows
-        bufs = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self.stats["all_gather"] += 1
-        self._run("all_gather", lambda: dist.all_gather(bufs, padded, group=self.group))
-        return [b[:n] for b, n in zip(bufs, counts)]
+        return [b[:n] for b, n in zip(self.all_gather(padded), counts)]
+
+    def ring_shift(self, x: torch.Tensor) -> torch.Tensor:
+        """Send x to the next rank of the axis (rank + 1 mod n), receive the previous rank's (same shape)."""
+        if self.group is None:
+            return x
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        nxt, prv = self.ranks[(self.rank + 1) % self.world_size], self.ranks[(self.rank - 1) % self.world_size]
+        self.stats["send"] += 1
+
+        def step():
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, self.group),
+                                           dist.P2POp(dist.irecv, out, prv, self.group)])
+            for r in reqs:
+                r.wait()
+        self._run("ring send/recv", step, _nbytes(x))
+        return out
+
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """Point-to-point to axis rank `dst` (blocking)."""
+        self.stats["send"] += 1
+        self._run("send", lambda: dist.send(x.contiguous(), self.ranks[dst], group=self.group), _nbytes(x))
+
+    def recv(self, like: torch.Tensor, src: int) -> torch.Tensor:
+        out = torch.empty_like(like)
+        self._run("recv", lambda: dist.recv(out, self.ranks[src], group=self.group))
+        return out
+
+    def isend_tensors(self, tensors: dict[str, torch.Tensor], dst: int) -> list:
+        """Non-blocking send of named tensors to axis rank `dst` (names, shapes and dtype as a small header, then
+        one flat payload). Wait on the returned handles (and keep `tensors` alive) before reusing them."""
+        import pickle
+        meta = [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        header = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(device)
+        size = torch.tensor([header.numel()], dtype=torch.int64, device=device)
+        dtype = meta[0][2] if meta else torch.float32
+        payload = torch.cat([t.reshape(-1).to(dtype) for t in tensors.values()]) if tensors else \
+            torch.empty(0, dtype=dtype, device=device)
+        self.stats["send"] += 1
+        keep = (size, header, payload)
+        return self._run("isend", lambda: [dist.isend(t, self.ranks[dst], group=self.group) for t in keep] + [keep],
+                         _nbytes(header) + _nbytes(payload) + 8)
+
+    def recv_tensors(self, src: int, device: Any = "cpu") -> dict[str, torch.Tensor]:
+        """The named tensors `isend_tensors` sent from axis rank `src`."""
+        import pickle
+
+        def recv():
+            size = torch.empty(1, dtype=torch.int64, device=device)
+            dist.recv(size, self.ranks[src], group=self.group)
+            header = torch.empty(int(size), dtype=torch.uint8, device=device)
+            dist.recv(header, self.ranks[src], group=self.group)
+            meta = pickle.loads(header.cpu().numpy().tobytes())
+            total = sum(_numel(shape) for _, shape, _ in meta)
+            payload = torch.empty(total, dtype=meta[0][2] if meta else torch.float32, device=device)
+            dist.recv(payload, self.ranks[src], group=self.group)
+            out, offset = {}, 0
+            for k, shape, dtype in meta:
+                n = _numel(shape)
+                out[k] = payload[offset:offset + n].view(shape).to(dtype)
+                offset += n
+            return out
+        return self._run("recv", recv)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """A picklable object from axis rank `src` to every rank (requests from the front rank)."""
+        if self.group is None:
+            return obj
+        box = [obj if self.rank == src else None]
+        self._run("broadcast_object", lambda: dist.broadcast_object_list(box, src=self.ranks[src], group=self.group))
+        return box[0]
+
+
+SPGroup = AxisGroup   # the earlier name (seedvr2's window SP group)
 
 
 def init_sp_from_env(backend: str | None = None, timeout_s: float = 120.0) -> SPGroup:

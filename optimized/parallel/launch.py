@@ -89,3 +89,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout
             if p.is_alive():
                 p.terminate()
     return [out[r] for r in range(world_size)]
+
+
+if __name__ == "__main__":  # torchrun ... -m optimized.parallel.launch: the engine across ranks
+    from optimized.parallel.launch_engine import main
+
+    raise SystemExit(main())

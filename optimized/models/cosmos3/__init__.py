@@ -87,6 +87,12 @@ def _processor(tokenizer_dir):
     return Cosmos3Processor(tokenizer_dir)
 
 
+def _media():
+    """Serving hooks (media chain, requests from plain fields): media.py, imported on first use."""
+    from optimized.models.cosmos3 import media
+    return media
+
+
 FAMILY = FamilyEntry(
     name="cosmos3",
     config_class=Cosmos3Config,
@@ -108,6 +114,11 @@ FAMILY = FamilyEntry(
     caches=lambda fast: (fast.und_cache,),
     parallelize=PARALLELISM,
     processor=_processor,
+    media=lambda engine: _media().media(engine),
+    request_from_fields=lambda engine, fields: _media().request_from_fields(engine, fields),
+    request_defaults=dict(num_frames=5, height=32, width=32, num_steps=4, guidance_scale=5.0),
+    processor_options=lambda engine: _media().processor_options(engine),
+    instance_config=lambda model_cfg: model_cfg.transformer,   # a model directory: transformer + media components
 )
 
 __all__ = ["Cosmos3Fast", "Cosmos3FastStats", "FAMILY", "PackedLayout", "UndKV", "cosmos3_model_spec", "load_fast",

@@ -79,6 +79,12 @@ def _processor(tokenizer_dir):
     return WanProcessor(tokenizer_dir)
 
 
+def _media():
+    """Serving hooks (media chain, requests from plain fields): media.py, imported on first use."""
+    from optimized.models.wan import media
+    return media
+
+
 FAMILY = FamilyEntry(
     name="wan",
     config_class=WanModelConfig,
@@ -98,6 +104,9 @@ FAMILY = FamilyEntry(
     caches=lambda instance: (instance.text_encoder.cache,),
     parallelize=PARALLELISM,
     processor=_processor,
+    media=lambda engine: _media().media(engine),
+    request_from_fields=lambda engine, fields: _media().request_from_fields(engine, fields),
+    request_defaults=dict(num_frames=5, height=32, width=32, num_steps=4, guidance_scale=5.0),
 )
 
 __all__ = ["ConvCache", "DECODE_LOOP", "DecodeRequest", "ENCODE_LOOP", "EncodeRequest", "FAMILY", "FastPosterior",
