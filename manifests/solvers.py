@@ -55,3 +55,49 @@ class FlowMatchEulerConfig:
         if not (isinstance(self.num_train_timesteps, int) and self.num_train_timesteps > 1):
             raise ManifestError("FlowMatch Euler: num_train_timesteps must be an int > 1")
         return self
+
+
+SDE_TYPES = ("flow_grpo", "dance_grpo")
+
+
+@dataclass(frozen=True)
+class SDEConfig:
+    """Stochastic flow-matching sampling with per-step log-probabilities (RL rollouts).
+
+    The sigma / timestep tables are the request's ODE solver's (UniPC or FlowMatch Euler), so an SDE rollout sees
+    the same model timesteps as serving; only the update rule changes. Steps in `sde_window` = [start, end) take the
+    SDE step (MixGRPO); every other step is a plain Euler ODE step x + (sigma_next - sigma) v and draws no noise.
+
+      flow_grpo   Flow-GRPO: sigma_t = noise_level * sqrt(sigma / (1 - sigma)), the paper's drift, std sigma_t sqrt(dt)
+      dance_grpo  DanceGRPO: std = noise_level * sqrt(dt), drift = v - noise_level^2 / 2 * score(x0 = x - sigma v)
+
+    Noise (one CPU generator seeded with the request's seed): first the request's initial latents as without SDE,
+    then, for each SDE step in order, one fp32 `randn` of each stepped modality's latent shape (vision, sound,
+    action). The log-probability of the drawn next sample is Gaussian, averaged over the non-batch dims, in fp32.
+    """
+    noise_level: float = 0.7
+    sde_type: str = "flow_grpo"
+    sde_window: tuple[int, int] | None = None    # [start, end) step indices; None = every step
+
+    def validate(self, num_steps: int | None = None) -> "SDEConfig":
+        if not (isinstance(self.noise_level, (int, float)) and not isinstance(self.noise_level, bool)
+                and math.isfinite(self.noise_level) and self.noise_level > 0):
+            raise ManifestError(f"SDE: noise_level must be a positive number, got {self.noise_level!r}")
+        if self.sde_type not in SDE_TYPES:
+            raise ManifestError(f"SDE: sde_type must be one of {SDE_TYPES}, got {self.sde_type!r}")
+        w = self.sde_window
+        if w is not None:
+            ok = (isinstance(w, tuple) and len(w) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                for i in w) and 0 <= w[0] < w[1])
+            if not ok or (num_steps is not None and w[1] > num_steps):
+                raise ManifestError(f"SDE: sde_window must be (start, end) with 0 <= start < end <= num_steps"
+                                    f"{'' if num_steps is None else f' ({num_steps})'}, got {w!r}")
+        return self
+
+    def window(self, num_steps: int) -> tuple[int, int]:
+        """The resolved [start, end) of SDE steps."""
+        return self.sde_window if self.sde_window is not None else (0, num_steps)
+
+    def is_sde_step(self, index: int, num_steps: int) -> bool:
+        start, end = self.window(num_steps)
+        return start <= index < end
