@@ -248,18 +248,18 @@ def _make_family_command(fam_name: str) -> click.Command:
 def _convert_pipeline(fam_name, src, out, variant, dtype, force, allow_nonfinite, skip_parity, max_shard_size,
                       quiet) -> int:
     """A diffusers pipeline root -> one canonical model directory (converters/pipeline.py)."""
-    from converters.pipeline import convert_pipeline
+    from converters.pipeline import PIPELINE_FAMILIES, convert_pipeline
 
-    if variant is not None:
-        from manifests.wan.model import list_model_variants
-        if variant not in list_model_variants():
-            raise ConversionError(f"unknown model variant {variant!r} for {fam_name}; known: "
-                                  f"{', '.join(list_model_variants())}")
+    if variant is not None and fam_name in PIPELINE_FAMILIES:
+        known = PIPELINE_FAMILIES[fam_name].variants()
+        if variant not in known:
+            raise ConversionError(f"unknown model variant {variant!r} for {fam_name}; known: {', '.join(known)}")
     shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD_BYTES
     report = convert_pipeline(fam_name, src, out, variant=variant, dtype=dtype, force=force,
                               allow_nonfinite=allow_nonfinite, skip_parity=skip_parity, post_check_for=get_post_check,
                               max_shard_bytes=shard_bytes, progress=_progress(quiet))
-    click.echo(f"converted {fam_name} pipeline ({report.pipeline_class}, task {report.config['task']}) {src} -> {out}")
+    task = f", task {report.config['task']}" if "task" in report.config else ""
+    click.echo(f"converted {fam_name} pipeline ({report.pipeline_class}{task}) {src} -> {out}")
     for name, c in report.components.items():
         p = c["parity"]
         click.echo(f"  {name + ':':<14} {c['format']}, {c['num_output_keys']} tensors, parity {p.get('status')}"

@@ -173,6 +173,19 @@ def _cosmos3() -> Family:
     )
 
 
+def _cosmos3_sound() -> Family:  # the AVAE sound tokenizer (diffusers Cosmos3AVAEAudioTokenizer names); "sound"
+    from manifests.cosmos3 import config as c3
+    from manifests.cosmos3 import sound
+
+    return Family(name="cosmos3", checkpoints_dir=Path(c3.__file__).parent / "checkpoints",
+                  config_from_dict=sound.Cosmos3SoundConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
+                  key_shapes=sound.canonical_key_shapes, fp32_keys=lambda cfg: [], load_variant=sound.load_variant,
+                  list_variants=sound.list_variants,
+                  config_mappings={"cosmos3_sound_config": sound.Cosmos3SoundConfig.from_diffusers_config},
+                  # no truncatable layer list: a pattern that never matches (dec_dim is only read)
+                  layer_key=re.compile(r"(?!)"), num_layers_field="dec_dim", component="sound")
+
+
 def _seedvr2() -> Family:  # the SeedVR2 NaDiT (3B dit_v2 / 7B dit); manifests/seedvr2/checkpoints/
     from manifests.seedvr2 import config as sc
     from manifests.seedvr2 import keys as sk
@@ -275,7 +288,7 @@ def _wan_text_encoder() -> Family:  # UMT5 (transformers UMT5EncoderModel names)
 # (family, component kind) -> Family; the first component of a family is its default (what `get_family(name)`
 # gives and what a canonical dir without a recorded component holds)
 _FACTORIES: dict[str, dict[str, Callable[[], Family]]] = {
-    "cosmos3": {"transformer": _cosmos3},
+    "cosmos3": {"transformer": _cosmos3, "sound": _cosmos3_sound},
     "seedvr2": {"transformer": _seedvr2},
     "wan": {"vae": _wan, "transformer": _wan_transformer, "text_encoder": _wan_text_encoder},
 }

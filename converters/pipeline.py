@@ -2,11 +2,15 @@
 
     fvconvert wan --from diffusers <pipeline root> OUT      model_index.json + transformer/ [transformer_2/]
                                                              text_encoder/ vae/ tokenizer/ scheduler/
+    fvconvert cosmos3 --from diffusers <pipeline root> OUT  model_index.json + transformer/ vae/ (a wan VAE)
+                                                             [sound_tokenizer/] tokenizer/ (from text_tokenizer/)
+                                                             scheduler/
     OUT/model_index.json   {"family": "wan", "format_version": 1, "config": WanModelConfig.to_dict(),
                             "components": {"transformer": "transformer", ...}, "assets": {"tokenizer": ...},
                             "weights_version": "sha256:<hex>", "source": {...}}
     OUT/<component>/       one canonical single-component dir each (config.json, manifest.json, model*.safetensors,
-                           conversion_report.json)
+                           conversion_report.json), written by the (family, format) manifest the family's
+                           `PipelineSpec.components` names (the cosmos3 VAE by the wan `diffusers` VAE manifest)
     OUT/tokenizer/, OUT/scheduler/   copied verbatim
     OUT/conversion_report.json       per component: format, weights_version, parity; assets with sha256
 
@@ -43,9 +47,9 @@ ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
             "original": ("original", "original-dit", "original-umt5")},
 }
 WAN_PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"}
-WAN_COMPONENTS = {"transformer": "diffusers-transformer", "transformer_2": "diffusers-transformer",
-                  "text_encoder": "transformers-umt5", "vae": "diffusers"}
-WAN_ASSETS = ("tokenizer", "scheduler")
+WAN_COMPONENTS = {"transformer": ("wan", "diffusers-transformer"), "transformer_2": ("wan", "diffusers-transformer"),
+                  "text_encoder": ("wan", "transformers-umt5"), "vae": ("wan", "diffusers")}
+WAN_ASSETS = {"tokenizer": "tokenizer", "scheduler": "scheduler"}
 WAN_NOT_CONVERTED = {
     "image_encoder": "the CLIP image encoder is not part of the canonical wan model (requests pass image_embeds)",
     "image_processor": "CLIP image preprocessing is not part of the canonical wan model",
@@ -110,15 +114,26 @@ def _by_keys(family: str, cands: tuple[str, ...], src: Path) -> str | None:
     return best[1] if best else None
 
 
+def _is_pipeline_root(src: Path) -> bool:
+    """A diffusers pipeline root: a model_index.json naming the pipeline class (a unified cosmos3 release root may
+    hold a model_index.json without one: that stays a transformer source)."""
+    if not (src.is_dir() and (src / MODEL_INDEX).is_file()):
+        return False
+    try:
+        return "_class_name" in json.loads((src / MODEL_INDEX).read_text())
+    except (OSError, ValueError, TypeError):
+        return True     # unreadable: the pipeline conversion says why
+
+
 def detect_format(family: str, fmt: str, src: str | Path) -> str:
     """The format name `--from fmt` means for SRC, or PIPELINE for a diffusers pipeline root. A name that is no
     alias (or a manifest path) is returned unchanged."""
     src = Path(src)
+    if fmt == "diffusers" and family in PIPELINE_FAMILIES and _is_pipeline_root(src):
+        return PIPELINE
     cands = ALIASES.get(family, {}).get(fmt)
     if cands is None or not src.exists():
         return fmt
-    if src.is_dir() and (src / MODEL_INDEX).is_file() and fmt == "diffusers" and family in PIPELINE_FAMILIES:
-        return PIPELINE
     if len(cands) == 1:
         return cands[0]
     cfg = src / "config.json" if src.is_dir() else src.parent / "config.json"
@@ -188,9 +203,64 @@ def _wan_model_config(index: dict, root: Path, cfgs: dict[str, Any], variant: st
     return cfg, cls
 
 
-PIPELINE_FAMILIES: dict[str, dict] = {
-    "wan": {"components": WAN_COMPONENTS, "required": ("transformer", "text_encoder", "vae"), "assets": WAN_ASSETS,
-            "not_converted": WAN_NOT_CONVERTED, "model_config": _wan_model_config},
+COSMOS3_PIPELINES = ("Cosmos3OmniPipeline",)
+COSMOS3_COMPONENTS = {"transformer": ("cosmos3", "diffusers"), "vae": ("wan", "diffusers"),  # AutoencoderKLWan
+                      "sound_tokenizer": ("cosmos3", "diffusers-sound")}
+COSMOS3_ASSETS = {"text_tokenizer": "tokenizer", "scheduler": "scheduler"}   # pipeline entry -> OUT folder
+COSMOS3_NOT_CONVERTED = {
+    "safety_checker": "the guardrail models are not part of the canonical cosmos3 model",
+}
+
+
+def _cosmos3_model_config(index: dict, root: Path, cfgs: dict[str, Any], variant: str | None) -> tuple[Any, str]:
+    from manifests.cosmos3.model import Cosmos3ModelConfig, unipc_from_scheduler_config
+
+    cls = index.get("_class_name")
+    if cls not in COSMOS3_PIPELINES:
+        raise ConversionError(f"{root / MODEL_INDEX}: _class_name {cls!r} is not a cosmos3 pipeline this converter "
+                              f"knows ({', '.join(COSMOS3_PIPELINES)})")
+    sched_path = root / "scheduler" / "scheduler_config.json"
+    try:
+        # use_native_flow_schedule is a pipeline option (model_index.json), not a scheduler setting (upstream)
+        scheduler = unipc_from_scheduler_config(_json(sched_path, "scheduler config"),
+                                                bool(index.get("use_native_flow_schedule") or False))
+        cfg = Cosmos3ModelConfig(transformer=cfgs["transformer"], vae=cfgs["vae"],
+                                 sound=cfgs.get("sound_tokenizer"), scheduler=scheduler).validate()
+    except ManifestError as e:
+        raise ConversionError(f"{root}: the pipeline does not make a valid cosmos3 model: {e}") from None
+    if variant is not None:
+        from manifests.cosmos3.config import load_variant
+        if load_variant(variant) != cfg.transformer:
+            raise ConversionError(f"{root}: the converted transformer is not variant {variant!r}")
+    return cfg, cls
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How one family's diffusers pipeline root becomes a model directory."""
+    components: dict[str, tuple[str, str]]        # pipeline entry -> (converter family, format) it is written with
+    required: tuple[str, ...]                     # entries the model cannot do without
+    assets: dict[str, str]                        # pipeline entry copied verbatim -> its folder in OUT
+    not_converted: dict[str, str]                 # entries deliberately left out -> why
+    model_config: Callable[..., tuple[Any, str]]  # (model_index, root, {entry: config}, variant) -> (config, class)
+    variants: Callable[[], list[str]]             # what --variant may name
+
+
+def _wan_variants() -> list[str]:
+    from manifests.wan.model import list_model_variants
+    return list_model_variants()
+
+
+def _cosmos3_variants() -> list[str]:
+    from manifests.cosmos3.config import list_variants
+    return list_variants()
+
+
+PIPELINE_FAMILIES: dict[str, PipelineSpec] = {
+    "wan": PipelineSpec(WAN_COMPONENTS, ("transformer", "text_encoder", "vae"), WAN_ASSETS, WAN_NOT_CONVERTED,
+                        _wan_model_config, _wan_variants),
+    "cosmos3": PipelineSpec(COSMOS3_COMPONENTS, ("transformer", "vae"), COSMOS3_ASSETS, COSMOS3_NOT_CONVERTED,
+                            _cosmos3_model_config, _cosmos3_variants),
 }
 
 
@@ -225,29 +295,29 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
             continue        # _class_name, _diffusers_version, boundary_ratio, expand_timesteps, ...
         if entry == [None, None] or entry == []:
             continue        # an optional component this release does not have (e.g. transformer_2)
-        if name in spec["components"]:
-            present[name] = spec["components"][name]
-        elif name in spec["not_converted"]:
-            not_converted[name] = spec["not_converted"][name]
-        elif name not in spec["assets"]:
+        if name in spec.components:
+            present[name] = spec.components[name]
+        elif name in spec.not_converted:
+            not_converted[name] = spec.not_converted[name]
+        elif name not in spec.assets:
             raise ConversionError(f"{src / MODEL_INDEX}: pipeline entry {name!r} ({entry}) is not a {family} component "
-                                  f"this converter knows ({', '.join([*spec['components'], *spec['assets']])})")
-    lacking = [n for n in spec["required"] if n not in present]
+                                  f"this converter knows ({', '.join([*spec.components, *spec.assets])})")
+    lacking = [n for n in spec.required if n not in present]
     if lacking:
         raise ConversionError(f"{src / MODEL_INDEX}: the pipeline lacks component(s) {', '.join(lacking)}")
-    for name in [*present, *spec["assets"]]:
+    for name in [*present, *spec.assets]:
         if not (src / name).is_dir():
             raise ConversionError(f"{src / name}: folder of pipeline entry {name!r} is missing")
 
     prepared: dict[str, tuple] = {}
     try:
-        for name, want in present.items():                     # plan everything before writing anything
-            fmt = detect_format(family, "diffusers", src / name)
-            if fmt != want:
+        for name, (of_family, want) in present.items():        # plan everything before writing anything
+            fmt = detect_format(of_family, "diffusers", src / name)
+            if of_family in ALIASES and fmt != want:       # a family with aliases says which format a folder holds
                 raise ConversionError(f"{src / name}: expected a {want} folder for {name!r}, its config says {fmt}")
-            prepared[name] = _prepare(family, fmt, src / name, None, dtype, False, None)
+            prepared[name] = _prepare(of_family, want, src / name, None, dtype, False, None)
         cfgs = {name: p[4].cfg for name, p in prepared.items()}
-        cfg, cls = spec["model_config"](index, src, cfgs, variant)
+        cfg, cls = spec.model_config(index, src, cfgs, variant)
         reports: dict[str, ConversionReport] = {}
         with staged_output(out) as tmp:
             for name, p in prepared.items():
@@ -261,10 +331,10 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
                     max_shard_bytes=max_shard_bytes, say=say, progress_every=None, progress_update=None, t0=time.time(),
                     missing_post_check="not run")
             assets: dict[str, list[dict]] = {}
-            for name in spec["assets"]:
+            for entry, name in spec.assets.items():
                 (tmp / name).mkdir()
                 files = []
-                for f in sorted((src / name).iterdir()):
+                for f in sorted((src / entry).iterdir()):
                     if not f.is_file():
                         raise ConversionError(f"{f}: asset folders are copied verbatim and must hold only files")
                     shutil.copyfile(f, tmp / name / f.name)
@@ -297,4 +367,5 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
     return report
 
 
-__all__ = ["ALIASES", "PIPELINE", "PipelineReport", "convert_pipeline", "detect_format"]
+__all__ = ["ALIASES", "PIPELINE", "PIPELINE_FAMILIES", "PipelineReport", "PipelineSpec", "convert_pipeline",
+           "detect_format"]

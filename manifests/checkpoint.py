@@ -129,6 +129,12 @@ def _wan_transformer() -> ComponentLayout:
     return ComponentLayout("wan", "transformer", _no_description(dit.WanDiTConfig.from_dict), dit.dit_key_shapes)
 
 
+def _cosmos3_sound() -> ComponentLayout:
+    from manifests.cosmos3 import sound
+    return ComponentLayout("cosmos3", "sound", _no_description(sound.Cosmos3SoundConfig.from_dict),
+                           sound.canonical_key_shapes)
+
+
 def _wan_text_encoder() -> ComponentLayout:
     from manifests.wan import dit
     return ComponentLayout("wan", "text_encoder", _no_description(dit.UMT5Config.from_dict), dit.umt5_key_shapes)
@@ -136,6 +142,7 @@ def _wan_text_encoder() -> ComponentLayout:
 
 _LAYOUTS: dict[tuple[str, str], Callable[[], ComponentLayout]] = {
     ("cosmos3", "transformer"): _cosmos3_transformer,
+    ("cosmos3", "sound"): _cosmos3_sound,
     ("seedvr2", "transformer"): _seedvr2_transformer,
     ("wan", "vae"): _wan_vae,
     ("wan", "transformer"): _wan_transformer,
@@ -168,7 +175,8 @@ def get_layout(family: str, component: str | None = None) -> ComponentLayout:
     return _LAYOUT_CACHE[key]
 
 
-# whole-model configs of a model directory: family -> (parse, {component name: (kind, config)} of a parsed config)
+# whole-model configs of a model directory: family -> (parse, {component name: (kind, config)} of a parsed config);
+# a kind "family:kind" is a component stored with another family's layout (the cosmos3 VAE is a wan VAE)
 
 def _wan_model() -> tuple[Callable[[dict], Any], Callable[[Any], dict[str, tuple[str, Any]]]]:
     from manifests.wan.model import WanModelConfig
@@ -182,7 +190,19 @@ def _wan_model() -> tuple[Callable[[dict], Any], Callable[[Any], dict[str, tuple
     return WanModelConfig.from_dict, components
 
 
-_MODELS: dict[str, Callable[[], tuple]] = {"wan": _wan_model}
+def _cosmos3_model() -> tuple[Callable[[dict], Any], Callable[[Any], dict[str, tuple[str, Any]]]]:
+    from manifests.cosmos3.model import Cosmos3ModelConfig
+
+    def components(cfg) -> dict[str, tuple[str, Any]]:
+        # the VAE is a diffusers AutoencoderKLWan: stored (and read) with the wan VAE layout ("family:kind")
+        out = {"transformer": ("transformer", cfg.transformer), "vae": ("wan:vae", cfg.vae)}
+        if cfg.sound is not None:
+            out["sound_tokenizer"] = ("sound", cfg.sound)
+        return out
+    return Cosmos3ModelConfig.from_dict, components
+
+
+_MODELS: dict[str, Callable[[], tuple]] = {"wan": _wan_model, "cosmos3": _cosmos3_model}
 
 
 def model_config_parser(family: str) -> tuple[Callable[[dict], Any], Callable[[Any], dict[str, tuple[str, Any]]]]:
@@ -384,8 +404,9 @@ def read_checkpoint(path: str | Path, family: str | None = None) -> CanonicalChe
         d = _subdir(root, index, "component", name, sub)
         if not d.is_dir():
             raise CheckpointError(f"{d}: component {name!r} listed in {MODEL_INDEX} is missing")
-        c = _read_component(d, name=name, family=fam)
         kind, cfg = want[name]
+        of_family, _, kind = kind.rpartition(":")      # "wan:vae": a component stored with another family's layout
+        c = _read_component(d, name=name, family=of_family or fam)
         if c.kind != kind:
             raise CheckpointError(f"{d / MANIFEST_NAME}: component {name!r} must be a {kind}, the directory holds a {c.kind}")
         if c.typed_config() != cfg:

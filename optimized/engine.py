@@ -124,6 +124,8 @@ class Engine:
             raise CheckpointError(f"{path}: a partial checkpoint (missing parts {holes}); the engine needs every "
                                   f"part of every component")
         cfg = ckpt.typed_config()
+        if entry.instance_config is not None and ckpt.is_model and not isinstance(cfg, entry.config_class):
+            cfg = entry.instance_config(cfg)   # the whole model's config -> what the resident instance loads
         if not isinstance(cfg, entry.config_class):
             raise CheckpointError(f"{path}: holds a {type(cfg).__name__} ({', '.join(ckpt.components)}), not a "
                                   f"whole {entry.name} model ({entry.config_class.__name__}); convert the whole "
@@ -133,8 +135,13 @@ class Engine:
         if missing:
             raise CheckpointError(f"{path}: {entry.name} needs components {need}; missing {missing}")
         weights = {n: load_state(ckpt, component=n if ckpt.is_model else None, check_finite=True) for n in need}
-        return cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=ckpt.weights_version),
-                   entry, **kw)
+        engine = cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=ckpt.weights_version),
+                     entry, **kw)
+        engine.checkpoint, engine.checkpoint_path = ckpt, str(path)   # the rest of a model directory (media, tokenizer)
+        if ckpt.is_model and entry.media is not None:   # load the media components (VAE, sound decoder) now
+            from optimized.serving.families import media_chain
+            media_chain(engine)
+        return engine
 
     # ---- loops
     def loop(self, name: str) -> LoopKernel:

@@ -19,8 +19,9 @@ from parity.report import CheckResult, Report
 LEVELS = {  # the ladder (../DESIGN.md): level -> what it compares
     "C0": "components: blocks, full forward, VAE / text encoder / audio decoder, packing, position ids, batching",
     "C1": "whole loops: denoise trajectories step by step, batched concurrent requests, CFG policies; AR tokens",
-    "C2": "logprob identity of a rollout vs its recompute",
-    "C3": "rollout distributions, two-sample test",
+    "C2": "logprob identity: SDE rollout vs trainer recompute per step (exact in batch-invariant fp32), batch / cache / "
+          "weight-update cases",
+    "C3": "rollout distributions: K seeded rollouts per side, energy + KS tests, perturbed controls and their power",
     "C4": "decoded artifacts: SSIM/PSNR of frames, SNR of audio",
 }
 # the run precisions every family understands: CLI name -> torch dtype, and the ParityContract's name for it

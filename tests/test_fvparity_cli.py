@@ -32,13 +32,15 @@ def test_list_shows_levels(fvparity):
     proc = fvparity("list")
     assert proc.returncode == 0
     row = next(line for line in proc.stdout.splitlines() if line.startswith("cosmos3 "))
-    assert "tiny-edge" in row and "C2(-)" in row and "C1(-)" not in row and "C0 C1" in row
+    assert "tiny-edge" in row and "C0 C1 C2 C3 C4" in row and "(-)" not in row
+    seedvr2 = next(line for line in proc.stdout.splitlines() if line.startswith("seedvr2 "))
+    assert "C2(-)" in seedvr2  # a level a family lacks is shown as missing
 
 
 @pytest.mark.parametrize("args, needle", [
     (("run", "wan9", "--level", "C0"), "unknown family 'wan9'"),
     (("run", "cosmos3", "--level", "C0", "--variant", "huge"), "unknown variant 'huge'"),
-    (("run", "cosmos3", "--level", "C2"), "not implemented for cosmos3"),
+    (("run", "seedvr2", "--level", "C2"), "not implemented for seedvr2"),
     (("run", "cosmos3", "--level", "C9"), "C9"),
     (("run", "cosmos3", "--level", "C0", "--plant-fault", "nope"), "fault 'nope'"),
     (("run", "cosmos3", "--level", "C0", "--checkpoint", "/nonexistent/ckpt"), "/nonexistent/ckpt"),

@@ -76,7 +76,7 @@ def cosmos3_reference_frames(eng: Engine, req, image: torch.Tensor | None = None
     import reference.cosmos3 as ref
     from reference.cosmos3.sound import decode_cosmos3_outputs
     from reference.wan import load_vae, normalize_latents
-    from optimized.serving.families import cosmos3_media_vae_config, random_wan_vae_state
+    from optimized.models.cosmos3.media import cosmos3_media_vae_config, random_wan_vae_state
     cfg = eng.model.cfg
     vcfg = cosmos3_media_vae_config(cfg)
     vae = load_vae(vcfg, random_wan_vae_state(vcfg, 1))

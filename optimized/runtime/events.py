@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 EVENT_KINDS = ("request.accepted", "request.rejected", "request.admitted", "request.preempted", "request.cancelled",
                "request.completed", "request.failed", "request.output", "trace.step", "trace.scheduler", "trace.cache",
-               "trace.subscriber_error")
+               "trace.subscriber_error", "rollout.step")
 
 log = logging.getLogger("optimized.runtime.events")
 

@@ -112,6 +112,13 @@ class FamilyEntry:
     caches: Callable[[Any], tuple[CacheStore, ...]] = lambda instance: ()   # the instance's caches (traced)
     parallelize: Callable[[Any, Any], Any] | None = None     # (instance, parallel plan / mesh) -> instance
     processor: Callable | None = None                        # (tokenizer_dir | None) -> processor with build_request
+    # serving (optimized/serving names no family: these say everything family-specific it needs)
+    media: Callable | None = None                            # engine -> MediaChain (latents -> pixels / audio)
+    request_from_fields: Callable | None = None              # (engine, serving RequestFields) -> generation request
+    request_defaults: Mapping[str, Any] = field(default_factory=dict)  # num_frames, height, width, num_steps, ...
+    processor_options: Callable[[Any], dict] = lambda engine: {}  # engine -> extra build_request options (model's)
+    instance_config: Callable[[Any], Any] | None = None      # a model directory's whole-model config -> the
+                                                             # instance's config (None: the same config)
 
     def validate(self) -> "FamilyEntry":
         if not self.name or not self.name.isidentifier():

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from optimized.serving.families import RequestFields, ServingError, adapter_for
+from optimized.serving.families import RequestFields, ServingError, adapter_for, media_chain
 
 
 def text_limits(engine: Any) -> tuple[int, int]:
@@ -108,18 +108,19 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
                                    height=height, width=width, num_steps=num_steps, guidance_scale=guidance_scale,
                                    seed=seed, image=image)
     adapter = adapter_for(engine)
+    in_request = media_chain(engine).image_in_request
     text = tokens_for(engine, prompt, prompt_ids)
     negative = None if negative_prompt is None and negative_prompt_ids is None else \
         tokens_for(engine, negative_prompt, negative_prompt_ids, "negative_prompt")
     fields = RequestFields(text, negative, num_frames, height, width, num_steps, guidance_scale, seed,
-                           image if adapter.image_in_request else None)
+                           image if in_request else None)
     try:
         request = adapter.build(engine, fields)
     except ServingError:
         raise
     except ValueError as e:
         raise ServingError(str(e)) from None
-    return request, None if adapter.image_in_request else image
+    return request, None if in_request else image
 
 
 def tokenizer_dir(engine: Any) -> Path | None:
@@ -167,10 +168,10 @@ def request_from_prompt(engine: Any, prompt: str, *, image: Any = None, negative
     defaults = adapter_for(engine).defaults
     kw = dict(num_frames=num_frames or defaults["num_frames"], height=height or defaults["height"],
               width=width or defaults["width"], steps=num_steps or defaults["num_steps"],
-              guidance=defaults["guidance_scale"] if guidance_scale is None else guidance_scale, seed=seed, **extra)
+              guidance=defaults["guidance_scale"] if guidance_scale is None else guidance_scale, seed=seed,
+              **{**engine.family.processor_options(engine), **extra})   # the loaded model's own settings first
     params = inspect.signature(proc.build_request).parameters
     if image is not None and "encode_vision" in params and "encode_vision" not in kw:
-        from optimized.serving.families import media_chain
         kw["encode_vision"] = media_chain(engine).encode_pixels
     try:
         request = proc.build_request(prompt, negative_prompt, image, **kw)
