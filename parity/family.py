@@ -83,6 +83,7 @@ class ParityFamily:
     golden_probes: Mapping[str, GoldenProbe] = field(default_factory=dict)   # case.json "probe" -> probe
     check_converted: PostCheck | None = None         # fvconvert's post-conversion check (C0 on converted weights)
     supports_world_size: bool = False                # `--world-size` (a sequence-parallel plan) applies
+    component_post_checks: Mapping[str, PostCheck] = field(default_factory=dict)  # "<family>.<component>" -> check
 
     def fault(self, name: str) -> Fault | None:
         return next((f for f in self.faults if f.name == name), None)
@@ -130,6 +131,9 @@ class ParityFamily:
                 problems.append(f"golden probe {probe!r} is not a callable with a name")
         if self.check_converted is not None and not callable(self.check_converted):
             problems.append("check_converted is not callable")
+        for ep, fn in self.component_post_checks.items():
+            if not ep.startswith(f"{self.name}.") or not callable(fn):
+                problems.append(f"component post-check {ep!r} must be named '{self.name}.<component>' and callable")
         if problems:
             raise FamilyError(f"{where}: " + "; ".join(problems))
         return self

@@ -81,10 +81,12 @@ def test_post_check_entry_points_match_the_entries():
     they must be exactly the families' check_converted."""
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["fvconvert.post_check"]
     assert declared == post_check_entry_points()
-    assert {n for n, f in families().items() if f.check_converted is not None} == set(declared)
+    checks = {n: f.check_converted for n, f in families().items() if f.check_converted is not None}
+    checks.update({ep: fn for f in families().values() for ep, fn in f.component_post_checks.items()})
+    assert set(checks) == set(declared)
     for name, target in declared.items():
         module, attr = target.split(":")
-        assert getattr(import_module(module), attr) is families()[name].check_converted
+        assert getattr(import_module(module), attr) is checks[name]
 
 
 # ------------------------------------------------------------------------------------------------ validator

@@ -68,6 +68,8 @@ def post_check_entry_points() -> dict[str, str]:
     for name, fam in families().items():
         if fam.check_converted is not None:
             out[name] = f"{fam.check_converted.__module__}:{fam.check_converted.__qualname__}"
+        for ep, fn in fam.component_post_checks.items():  # one per component a family's manifests name
+            out[ep] = f"{fn.__module__}:{fn.__qualname__}"
     return out
 
 

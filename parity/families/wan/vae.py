@@ -1,7 +1,11 @@
 """wan VAE parity. C0: the Wan VAE (2.1 / 2.2) decoder and encoder, reference (whole clip) vs optimized (chunked
 loops with carried conv caches), per component (every traced block) and end to end, at several chunk sizes, an
 image (1 latent frame), and two requests batched in one optimized call; fp32 and bf16. Golden probes
-`wan.vae_encode` and `wan.vae_decode` (upstream diffusers AutoencoderKLWan cases in golden/wan/)."""
+`wan.vae_encode` and `wan.vae_decode` (upstream diffusers AutoencoderKLWan cases in golden/wan/).
+
+The family's C0 (c0.py) runs `c0_checks` on every VAE it checks and plants these faults through faults.py (where this
+module's `perturbed-weight` is the family's `vae-perturbed-weight`); `run_c0` here is the VAE-only runner (used by
+cosmos3's decoder rows)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from manifests.parity import load_parity_contract
 from manifests.wan import WanVAEConfig, canonical_key_shapes, list_variants, load_variant
 from parity.checkpoints import models_to_check
 from parity.errors import SetupError
-from parity.family import DTYPE_NAMES, DTYPES, Fault
+from parity.family import DTYPE_NAMES, DTYPES, Fault, golden_probe
 from parity.golden import read_diffusers_dir
 from parity.localise import ChunkTrace, first_divergence
 from parity.report import CheckResult, Report, tensor_check as check
@@ -213,6 +217,7 @@ def _golden_setup(case):
     return cfg, state
 
 
+@golden_probe(required=("video",))
 def golden_decode_probe(case, sides) -> list[CheckResult]:
     cfg, state = _golden_setup(case)
     z, want, tol = case.inputs["latents"], case.outputs["video"], case.tolerance
@@ -227,6 +232,7 @@ def golden_decode_probe(case, sides) -> list[CheckResult]:
     return results
 
 
+@golden_probe(required=("posterior_mean", "posterior_std", "posterior_sample"))
 def golden_encode_probe(case, sides) -> list[CheckResult]:
     cfg, state = _golden_setup(case)
     seed = case.meta.get("params", {}).get("sample_seed")

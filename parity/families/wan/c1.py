@@ -1,0 +1,451 @@
+"""wan C1: whole denoising loops, `WanReferencePipeline.generate(keep_trajectory=True)` vs the engine (the wan
+FamilyEntry's `denoise` loop under the WorkUnitScheduler, `record_trajectory=True`), compared after every step.
+
+Cases per whole-model variant (4 steps each): the task's own request (t2v UniPC + CFG; i2v with its image (and CLIP
+embeddings); ti2v with an image; two experts with guidance_scale_2), FlowMatch Euler without CFG, three concurrent
+requests (different seeds, guidance scales, prompt lengths and start ticks, the unguided one in the middle) each
+against its own solo reference run, the two-forward CFG policy, and for ti2v the text-only request. Rows per
+request: the schedule and the timesteps actually fed to the DiT (exact, dtype included), the expert of every step
+(exact), the noise draw (bitwise), every step's latents, and the final latents with the trajectory drift. The first
+divergent step is localised: both sides rebuild that step's DiT input from their own previous latents; differing
+inputs are named, else both DiTs are traced on them and the first divergent layer is named.
+
+The reference pipeline runs fp32 (it has no half-precision path); a bf16 run compares the bf16 engine with it under
+the contract's C1 bf16 row. Golden probe `wan.generate` (diffusers WanPipeline / WanImageToVideoPipeline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from manifests import ManifestError
+from manifests.parity import Tolerance
+from manifests.wan import WanGenerateRequest, WanModelConfig
+from parity.errors import SetupError
+from parity.families.wan import faults, umt5
+from parity.families.wan.common import (DEFAULT_VARIANTS, DiTInputs, contract_tolerance,
+                                        convert_upstream, engine_decode, engine_for, fmt_drift, make_request,
+                                        optimized_step_input, reference_pipeline, resolve_models,
+                                        run_optimized_dit, run_reference_dit)
+from parity.family import DTYPES, golden_probe
+from parity.localise import first_divergence
+from parity.metrics import compare, exact, within
+from parity.report import CheckResult, Report
+
+import optimized
+from optimized.models.wan.denoise import WanDenoiseJob
+import reference.wan as ref
+
+STEPS = 4
+
+
+@dataclass(frozen=True)
+class LoopCase:
+    name: str
+    requests: tuple[WanGenerateRequest, ...]
+    start_ticks: tuple[int, ...] = (0,)      # scheduler ticks before each request is submitted
+    cfg_policy: str = "batched"
+
+
+def loop_cases(cfg: WanModelConfig) -> list[LoopCase]:
+    own = {"t2v": "t2v_unipc_cfg", "i2v": "i2v", "ti2v": "ti2v_image"}[cfg.task]
+    extra = {"guidance_scale_2": 2.5} if cfg.two_experts else {}
+    cases = [
+        LoopCase("two_experts" if cfg.two_experts else own, (make_request(cfg, 1, **extra),)),
+        LoopCase("euler_no_cfg", (make_request(cfg, 2, guidance=1.0, solver="euler", flow_shift=5.0),)),
+        # req0 and req2 share everything but seed / guidance / prompt (a shared state would mix them); req1 runs no
+        # CFG and sits between them, so uncond predictions must be matched to their request, not by position
+        LoopCase("concurrent3", (make_request(cfg, 3, guidance=3.0), make_request(cfg, 4, guidance=1.0, text_len=5),
+                                 make_request(cfg, 5, guidance=7.5, text_len=9)), start_ticks=(0, 1, 2)),
+        LoopCase("two_forward_cfg", (make_request(cfg, 6),), cfg_policy="two-forward"),
+    ]
+    if cfg.task == "ti2v":
+        cases.append(LoopCase("ti2v_text_only", (make_request(cfg, 7, image=False),)))
+    return cases
+
+
+@dataclass
+class SideRun:
+    trajectory: list[torch.Tensor]
+    initial: torch.Tensor | None
+    timesteps: list
+    experts: list[int]
+    latents: torch.Tensor | None
+    fed: list[torch.Tensor] = field(default_factory=list)     # the cond call's DiT timestep of every step
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# Each side's run, with the timesteps its DiT was fed
+# ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def fed_to_reference(pipe: ref.WanReferencePipeline) -> Iterator[list]:
+    """(timestep, latents) of every DiT call of the reference pipeline, in call order."""
+    calls: list = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: calls.append((args[1].clone(), args[0].clone())))
+             for m in (pipe.transformer, pipe.transformer_2) if m is not None]
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextlib.contextmanager
+def fed_to_engine(engine) -> Iterator[list]:
+    """(row-0 timestep, row-0 latents) of every optimized DiT call, in call order."""
+    calls: list = []
+    dits = [d for d in (engine.model.dit, engine.model.dit_2) if d is not None]
+    for d in dits:
+        original = d.forward_batch
+
+        def wrapped(latents, timesteps, *a, _original=original, **kw):
+            calls.append((timesteps[:1].clone(), latents[:1].clone()))
+            return _original(latents, timesteps, *a, **kw)
+        d.forward_batch = wrapped
+    try:
+        yield calls
+    finally:
+        for d in dits:
+            del d.forward_batch
+
+
+def cond_calls(calls: list, req: WanGenerateRequest, two_forward: bool) -> list:
+    """The cond call of every step: the reference and the two-forward policy make 2 calls per guided step."""
+    return calls[::2] if req.uses_cfg and two_forward else calls
+
+
+def run_reference(pipe: ref.WanReferencePipeline, req: WanGenerateRequest) -> SideRun:
+    with fed_to_reference(pipe) as calls:
+        res = pipe.generate(req, keep_trajectory=True)
+    fed = [t for t, _ in cond_calls(calls, req, True)]
+    return SideRun(res.trajectory, res.initial, res.timesteps, res.experts, res.latents, fed)
+
+
+def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
+    """Each request's run; a failed request keeps the steps it completed and its error (a failed check, not a crash
+    of the harness). Fed timesteps are recorded for single-request cases (a batch's rows are not per request)."""
+    handles = []
+    with fed_to_engine(engine) as calls:
+        for req, start in zip(case.requests, case.start_ticks):
+            while engine.scheduler.tick_count < start and not engine.scheduler.idle:
+                engine.step()
+            handles.append(engine.submit(req, record_trajectory=True))
+        engine.run_until_idle()
+    runs = []
+    for h in handles:
+        batches = [len(e.data["batch"]) for e in h.events if e.kind == "trace.step"]
+        if h.status == "completed":
+            r = h.result()
+            run = SideRun(r["trajectory"], r["initial"], r["timesteps"], r["experts"], r["latents"]["vision"])
+        else:
+            st = h.record.state
+            run = SideRun(list(getattr(st, "trajectory", [])), getattr(st, "initial", None), [], [], None,
+                          extra={"error": f"engine request {h.status}: {h.record.error}"})
+        run.extra["batch_sizes"] = batches
+        runs.append(run)
+    if len(handles) == 1:
+        two_forward = engine.options.cfg_policy == "two-forward"
+        runs[0].fed = [t for t, _ in cond_calls(calls, case.requests[0], two_forward)]
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparison and localisation
+# ------------------------------------------------------------------------------------------------
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def schedule_checks(prefix: str, ref_run: SideRun, eng_run: SideRun) -> list[CheckResult]:
+    checks = []
+    ok = len(ref_run.timesteps) == len(eng_run.timesteps) and all(map(_same, eng_run.timesteps, ref_run.timesteps))
+    checks.append(CheckResult(f"{prefix}/timesteps", ok,
+                              detail=f"schedule {ref_run.timesteps}" if ok else
+                              f"{eng_run.timesteps} vs reference {ref_run.timesteps}"))
+    if eng_run.fed:
+        bad = next((k for k, (a, b) in enumerate(zip(eng_run.fed, ref_run.fed)) if not exact(a, b)), None)
+        ok = bad is None and len(eng_run.fed) == len(ref_run.fed)
+        shape = list(ref_run.fed[0].shape) if ref_run.fed else []
+        checks.append(CheckResult(
+            f"{prefix}/timesteps_fed", ok,
+            detail=f"the cond call's DiT timestep {shape} {ref_run.fed[0].dtype if ref_run.fed else ''} of every "
+                   f"step, bitwise" if ok else f"{len(eng_run.fed)} vs {len(ref_run.fed)} calls",
+            divergence=None if ok else f"step {bad}: timestep fed to the DiT" if bad is not None else "call count"))
+    bad = next((k for k, (a, b) in enumerate(zip(eng_run.experts, ref_run.experts)) if a != b), None)
+    ok = bad is None and len(eng_run.experts) == len(ref_run.experts)
+    checks.append(CheckResult(
+        f"{prefix}/experts", ok, detail=f"expert per step {ref_run.experts}" if ok else
+        f"{eng_run.experts} vs reference {ref_run.experts}",
+        divergence=None if ok else f"step {bad}: expert {eng_run.experts[bad]}, reference expert "
+                                   f"{ref_run.experts[bad]}" if bad is not None else "step count"))
+    ok = eng_run.initial is not None and exact(eng_run.initial, ref_run.initial)
+    checks.append(CheckResult(f"{prefix}/noise", ok, detail="initial latents, bitwise" if ok else
+                              "initial latents differ (noise draw)"))
+    return checks
+
+
+def trajectory_checks(prefix: str, ref_run: SideRun, eng_run: SideRun, tol: Tolerance,
+                      localise: Callable[[int], str]) -> list[CheckResult]:
+    checks = []
+    if len(eng_run.trajectory) != len(ref_run.trajectory) or "error" in eng_run.extra:
+        checks.append(CheckResult(f"{prefix}/completed", False,
+                                  detail=f"{len(eng_run.trajectory)} engine steps vs {len(ref_run.trajectory)} "
+                                         f"reference steps; {eng_run.extra.get('error', '')}"))
+    drift, first_bad = [], None
+    for step, (got, want) in enumerate(zip(eng_run.trajectory, ref_run.trajectory)):
+        m = compare(got, want)
+        drift.append(m.rel_l2)
+        ok = within(m, tol)
+        c = CheckResult(f"{prefix}/step{step}", ok, m, tol, detail=f"t = {ref_run.timesteps[step]}, expert "
+                                                                   f"{ref_run.experts[step]}")
+        if not ok and first_bad is None:
+            first_bad = step
+            c.divergence = localise(step)
+        checks.append(c)
+    if eng_run.latents is not None:
+        m = compare(eng_run.latents, ref_run.latents)
+        c = CheckResult(f"{prefix}/latents", within(m, tol), m, tol,
+                        detail=f"final latents; trajectory drift: {fmt_drift(drift)}")
+        c.extra = {"drift_rel_l2": drift}
+        if not c.passed and first_bad is None:
+            c.divergence = "after the loop (final blend)"
+        checks.append(c)
+    return checks
+
+
+def localise_step(pipe: ref.WanReferencePipeline, engine, req: WanGenerateRequest, ref_run: SideRun,
+                  eng_run: SideRun, step: int, tol: Tolerance) -> str:
+    """Each side rebuilds the DiT input of `step` from its own previous latents; the first differing input, else
+    the first divergent traced layer of the cond (then uncond) branch, else the combine / solver."""
+    where = f"step {step}"
+    if step < len(eng_run.experts) and eng_run.experts[step] != ref_run.experts[step]:
+        return f"step {step}: expert {eng_run.experts[step]}, reference expert {ref_run.experts[step]} (the step ran " \
+               f"another expert's weights: no layer comparison)"
+    if step < len(eng_run.timesteps) and not _same(eng_run.timesteps[step], ref_run.timesteps[step]):
+        where += f" (timestep {eng_run.timesteps[step]} vs reference {ref_run.timesteps[step]})"
+    ref_prev = ref_run.initial if step == 0 else ref_run.trajectory[step - 1]
+    eng_prev = eng_run.initial if step == 0 else eng_run.trajectory[step - 1]
+    condition = pipe.encode_condition(req, tuple(ref_prev.shape)) if req.image is not None else None
+    x, t = pipe.model_inputs(ref_prev, pipe.make_solver(req).timesteps[step], condition)
+    text, negative = pipe.encode_text(req)
+    image = req.image_embeds.float()[None] if req.image_embeds is not None else None
+    ref_model = pipe.transformer if ref_run.experts[step] == 1 else pipe.transformer_2
+    state, branch = optimized_step_input(engine.loop("denoise"), req, eng_prev, step)
+    fast = engine.model.expert(state.experts[step])
+    if not exact(branch.timestep.cpu(), t):
+        return f"{where}, DiT input timestep {branch.timestep.flatten()[:4].tolist()} vs reference " \
+               f"{t.flatten()[:4].tolist()}"
+    mx = compare(branch.latents.float(), x)
+    if not within(mx, tol):
+        return f"{where}, DiT input latents / conditioning (rel_l2 {mx.rel_l2:.2e})"
+    branches = [("cond", text, branch.text, req.text_ids)]
+    if req.uses_cfg:
+        branches.append(("uncond", negative, state.negative_text, req.negative_text_ids))
+    for name, want_text, got_text, ids in branches:
+        if not within(compare(got_text, want_text), tol):
+            mask = (torch.arange(want_text.shape[1]) < ids.numel()).long()[None]
+            return f"{where}, {name} branch, DiT input text: " + \
+                umt5.padding_divergence(got_text.float().cpu(), want_text, mask, tol)
+        want, got = {}, {}
+        run_reference_dit(ref_model, DiTInputs(x, t, want_text, image), want)
+        run_optimized_dit(fast, DiTInputs(branch.latents, branch.timestep, got_text, branch.image_embeds), got)
+        div = first_divergence(got, want, tol)
+        if div is not None:
+            return f"{where}, {name} branch, layer {div.name} (rel_l2 {div.metrics.rel_l2:.2e})"
+    return f"{where}, no layer: after the transformer (CFG combine / solver)"
+
+
+# ------------------------------------------------------------------------------------------------
+# C1 runner
+# ------------------------------------------------------------------------------------------------
+
+def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
+           fault: str | None, progress: Callable[[str], None]) -> Report:
+    faults.check_fault(fault, "C1", faults.C1_FAULTS)
+    models = resolve_models(variants, checkpoint, seed, kinds=("model",))
+    if fault == "expert-switch-late" and not any(m.cfg.two_experts for m in models):
+        raise SetupError("fault expert-switch-late needs a two-expert variant (e.g. tiny-2.2-t2v-a14b)")
+    report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
+                                  "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
+                                  "steps": STEPS, "reference": "fp32 CPU (the reference pipeline's only precision)"})
+    for m in models:
+        pipe = reference_pipeline(m)
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            tol = contract_tolerance("C1", "loop", dname, device)
+            step_tol = contract_tolerance("C0", "dit", dname, device)
+            for case in loop_cases(m.cfg):
+                prefix = f"{m.name}/{dname}/{case.name}"
+                progress(f"[wan C1] {prefix}: {len(case.requests)} request(s), {case.cfg_policy} CFG")
+                engine = engine_for(m, device, dtype, seed, case.cfg_policy)
+                with faults.planted_engine(fault, engine):
+                    eng_runs = run_engine_case(engine, case)
+                    for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
+                        ref_run = run_reference(pipe, req)
+                        p = prefix + (f"/req{k}" if len(case.requests) > 1 else "")
+                        report.checks += schedule_checks(p, ref_run, eng_run)
+                        report.checks += trajectory_checks(
+                            p, ref_run, eng_run, tol, lambda step, req=req, r=ref_run, e=eng_run, eng=engine:
+                            localise_step(pipe, eng, req, r, e, step, step_tol))
+                        if len(case.requests) > 1:
+                            sizes = eng_run.extra["batch_sizes"]
+                            report.checks.append(CheckResult(f"{p}/batched_with_others", max(sizes, default=0) > 1,
+                                                             detail=f"batch size per step {sizes}"))
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream golden probe `wan.generate` (diffusers 0.42.1 WanPipeline / WanImageToVideoPipeline, output "latent")
+# ------------------------------------------------------------------------------------------------
+
+def golden_model(case) -> tuple[WanModelConfig, dict[str, dict[str, torch.Tensor]]]:
+    """params.model_config, and each component of upstream/ through fvconvert's in-memory path; every component's
+    config must be the model config's."""
+    p = case.meta.get("params", {})
+    try:
+        cfg = WanModelConfig.from_dict(p["model_config"])
+    except (KeyError, ManifestError) as e:
+        raise SetupError(f"golden case {case.path}: params.model_config ({e})") from None
+    want = {"transformer": cfg.dit, "text_encoder": cfg.text_encoder, "vae": cfg.vae}
+    if cfg.two_experts:
+        want["transformer_2"] = cfg.dit_2
+    weights = {}
+    for name, component_cfg in want.items():
+        got_cfg, state = convert_upstream(case, case.path / "upstream" / name)
+        if got_cfg != component_cfg:
+            raise SetupError(f"golden case {case.path}: upstream/{name} is not params.model_config's {name}")
+        weights[name] = state
+    return cfg, weights
+
+
+def golden_request(case, cfg: WanModelConfig) -> WanGenerateRequest:
+    t, p = case.inputs, case.meta.get("params", {})
+    try:
+        return WanGenerateRequest(
+            text_ids=t["text_ids"], negative_text_ids=t.get("negative_text_ids"), num_frames=int(p["num_frames"]),
+            height=int(p["height"]), width=int(p["width"]), num_steps=int(p["num_inference_steps"]),
+            guidance_scale=float(p["guidance_scale"]), guidance_scale_2=p.get("guidance_scale_2"),
+            seed=int(p["seed"]), solver=p["solver"], flow_shift=float(p["flow_shift"]), image=t.get("image"),
+            image_embeds=t.get("image_embeds")).validate(cfg)
+    except (KeyError, TypeError, ValueError) as e:  # ManifestError included
+        raise SetupError(f"golden case {case.path}: incomplete wan.generate inputs / params ({e})") from None
+
+
+GENERATE_REQUIRED = ("latents", "trajectory", "initial_latents", "timesteps", "sigmas", "model_timesteps", "experts",
+                     "text_embeds")
+
+
+def required_outputs(req: WanGenerateRequest) -> list[str]:
+    """What golden/README.md documents for this request (video is optional: only some cases store it)."""
+    need = list(GENERATE_REQUIRED)
+    if req.uses_cfg:
+        need.append("negative_text_embeds")
+    if req.image is not None:
+        need.append("model_input_0")
+    return need
+
+
+@dataclass
+class GoldenSide:
+    latents: torch.Tensor
+    trajectory: list[torch.Tensor]
+    initial: torch.Tensor
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    fed: list[tuple[torch.Tensor, torch.Tensor]]       # (timestep, latents) of every cond call
+    experts: list[int]
+    text: torch.Tensor                                 # [L, d]
+    negative_text: torch.Tensor | None
+    video: Callable[[], torch.Tensor]
+
+
+def golden_reference(cfg, weights, req) -> GoldenSide:
+    pipe = ref.WanReferencePipeline(cfg, weights)
+    with fed_to_reference(pipe) as calls:
+        res = pipe.generate(req, keep_trajectory=True)
+    solver = pipe.make_solver(req)
+    text, negative = pipe.encode_text(req)
+    return GoldenSide(res.latents, res.trajectory, res.initial, solver.timesteps, solver.sigmas,
+                      cond_calls(calls, req, True), res.experts, text[0],
+                      None if negative is None else negative[0], lambda: pipe.decode(res.latents))
+
+
+def golden_engine(cfg, weights, req) -> GoldenSide:
+    engine = optimized.Engine.from_weights(cfg, weights, weights_version="golden")
+    with fed_to_engine(engine) as calls:
+        r = engine.generate(req, record_trajectory=True)
+    state = engine.loop("denoise").init_state(WanDenoiseJob(req))
+    L = cfg.max_sequence_length
+    enc = engine.model.text_encoder
+    negative = enc.encode([req.negative_text_ids], L)[0] if req.uses_cfg else None
+    return GoldenSide(r["latents"]["vision"], r["trajectory"], r["initial"], state.timesteps, state.sigmas, calls,
+                      r["experts"], enc.encode([req.text_ids], L)[0], negative,
+                      lambda: engine_decode(engine, r["latents"]["vision"]))
+
+
+@golden_probe(required=GENERATE_REQUIRED, optional=("negative_text_embeds", "video"),
+              required_with={"image": ("model_input_0",)})
+def golden_generate_probe(case, sides) -> list[CheckResult]:
+    cfg, weights = golden_model(case)
+    req = golden_request(case, cfg)
+    tol, out = case.tolerance, case.outputs
+    missing = [k for k in required_outputs(req) if k not in out]
+    if missing:
+        return [CheckResult(f"{case.name}/{side}", False, detail=f"case lacks documented outputs {missing}")
+                for side in sides]
+    results: list[CheckResult] = []
+
+    def close(name, got, want, detail=""):
+        m = compare(got, want)
+        results.append(CheckResult(name, within(m, tol), m, tol, detail=detail))
+
+    def same(name, ok, detail):
+        results.append(CheckResult(name, ok, detail=detail))
+
+    for side in sides:
+        name = f"{case.name}/{side}"
+        s = golden_reference(cfg, weights, req) if side == "reference" else golden_engine(cfg, weights, req)
+        fed_t = torch.cat([t for t, _ in s.fed]) if s.fed else torch.zeros(0)
+        for key, got in (("timesteps", s.timesteps), ("model_timesteps", fed_t), ("experts",
+                         torch.tensor(s.experts, dtype=torch.int64)), ("initial_latents", s.initial)):
+            ok = exact(got, out[key])
+            same(f"{name}:{key}", ok, "bitwise, dtype included" if ok else
+                 f"{got.dtype} {list(got.shape)} {got.flatten()[:6].tolist()} vs upstream {out[key].dtype} "
+                 f"{list(out[key].shape)} {out[key].flatten()[:6].tolist()}")
+        close(f"{name}:sigmas", s.sigmas, out["sigmas"])
+        n = req.text_ids.numel()
+        close(f"{name}:text_embeds", s.text[:n], out["text_embeds"], f"first {n} rows")
+        same(f"{name}:text_padding", bool((s.text[n:] == 0).all()),
+             f"rows {n}..{s.text.shape[0] - 1} zero by construction (WanPipeline): checked exactly 0")
+        if "negative_text_embeds" in out:
+            if s.negative_text is None:
+                same(f"{name}:negative_text_embeds", False, "the case stores negative embeddings for a request "
+                                                            "that runs no CFG")
+            else:
+                close(f"{name}:negative_text_embeds", s.negative_text[:req.negative_text_ids.numel()],
+                      out["negative_text_embeds"])
+        if "model_input_0" in out:
+            close(f"{name}:model_input_0", s.fed[0][1] if s.fed else torch.zeros(0), out["model_input_0"],
+                  "the first DiT input (cond call)" + ("; its 4 mask channels are 0 off frame 0 by construction"
+                                                       if cfg.task == "i2v" else ""))
+        steps = [compare(x, out["trajectory"][k]) for k, x in enumerate(s.trajectory)]
+        bad = [k for k, m in enumerate(steps) if not within(m, tol)]
+        worst = max(steps, key=lambda m: m.rel_l2) if steps else None
+        drift = fmt_drift([m.rel_l2 for m in steps])
+        results.append(CheckResult(f"{name}:trajectory", not bad and len(steps) == len(out["trajectory"]), worst,
+                                   tol, detail=f"first divergent step {bad[0]}" if bad else
+                                   f"{len(steps)} of {len(out['trajectory'])} steps; {drift}"))
+        close(f"{name}:latents", s.latents, out["latents"])
+        if "video" in out:
+            close(f"{name}:video", s.video(), out["video"], "decoded (clamped), before postprocess")
+    return results
+
+
+PROBES = {"wan.generate": golden_generate_probe}

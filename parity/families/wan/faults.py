@@ -1,0 +1,196 @@
+"""wan's planted faults (negative controls): each breaks the optimized side in one known place. A harness that
+passes with a fault planted, or fails without naming the layer / step, is broken.
+
+Where each is planted (context managers; everything is restored on exit, caches cleared on both edges):
+    DiT      (WanDiTFast)      rope-wrong-axis, perturbed-weight
+    UMT5     (UMT5Fast)        text-padding-not-zeroed
+    VAE      (FastWanVAE)      vae-perturbed-weight, rep-context, dropped-cache   (parity/families/wan/vae.py)
+    loop     (wan.denoise)     expert-switch-late
+    decode   (media chain)     inverted-latents-std
+DiT / UMT5 faults are planted in the C0 components and, for C1, in the engine's model instance too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from parity.errors import SetupError
+from parity.families.wan import vae
+from parity.family import Fault
+
+FAULT_LAYER = 1   # perturbed-weight nudges this block (the last one when the DiT has fewer layers)
+
+FAULTS = (
+    Fault("rope-wrong-axis", "DiT rope: h and w patch positions swapped (h channels rotated by the w position)",
+          "C0", "blocks.0"),
+    Fault("perturbed-weight", f"one weight of DiT block {FAULT_LAYER}'s FFN output projection nudged", "C0",
+          f"blocks.{FAULT_LAYER}"),
+    Fault("text-padding-not-zeroed", "UMT5 prompt embeds keep the encoder's outputs at padded positions instead of "
+          "WanPipeline's zeros (C1 catches it too: the DiT sees the padded rows)", "C0", "text_encoder.padding"),
+    Fault("vae-perturbed-weight", "one weight of VAE decoder stage 1 nudged", "C0", "decoder.up_blocks.1"),
+    Fault("rep-context", "VAE temporal upsample conv sees frame 0 as context (upstream's 'Rep' quirk ignored)", "C0"),
+    Fault("dropped-cache", "VAE decoder.conv_in's conv cache not carried between chunks", "C0", "decoder.conv_in"),
+    Fault("expert-switch-late", "two-expert loop switches to transformer_2 one step after the boundary", "C1",
+          "step 2: expert 1, reference expert 2"),
+    Fault("inverted-latents-std", "the engine's media chain de-normalises with z * (1 / std) + mean", "C4",
+          "vae decode"),
+)
+FAULT_NAMES = tuple(f.name for f in FAULTS)
+DIT_FAULTS = ("rope-wrong-axis", "perturbed-weight")
+UMT5_FAULTS = ("text-padding-not-zeroed",)
+VAE_FAULTS = {"vae-perturbed-weight": "perturbed-weight", "rep-context": "rep-context",
+              "dropped-cache": "dropped-cache"}   # family name -> the name vae.py plants
+LOOP_FAULTS = ("expert-switch-late",)
+DECODE_FAULTS = ("inverted-latents-std",)
+
+C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + tuple(VAE_FAULTS)
+C1_FAULTS = DIT_FAULTS + UMT5_FAULTS + LOOP_FAULTS
+C4_FAULTS = DECODE_FAULTS
+
+
+def check_fault(fault: str | None, level: str, allowed: tuple[str, ...]) -> None:
+    if fault is not None and fault not in allowed:
+        raise SetupError(f"unknown {level} fault {fault!r} for wan; known at {level}: {', '.join(allowed)} "
+                         f"(all: {', '.join(FAULT_NAMES)})")
+
+
+# ------------------------------------------------------------------------------------------------
+# DiT
+# ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _rope_wrong_axis(fast) -> Iterator[None]:
+    """rope tables built with the h and w positions exchanged (h channels rotate by w, w channels by h)."""
+    (cos_t, sin_t), (cos_h, sin_h), (cos_w, sin_w) = fast._rope_axes
+
+    def swapped(grid):
+        f, h, w = grid
+        cos = torch.cat([cos_t[:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+                         cos_h[:w].view(1, 1, w, -1).expand(f, h, w, -1),
+                         cos_w[:h].view(1, h, 1, -1).expand(f, h, w, -1)], -1)
+        sin = torch.cat([sin_t[:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+                         sin_h[:w].view(1, 1, w, -1).expand(f, h, w, -1),
+                         sin_w[:h].view(1, h, 1, -1).expand(f, h, w, -1)], -1)
+        return cos.reshape(f * h * w, 1, -1).to(fast.device), sin.reshape(f * h * w, 1, -1).to(fast.device)
+
+    fast._rope_cache.clear()
+    fast.rope_tables = swapped
+    try:
+        yield
+    finally:
+        del fast.rope_tables
+        fast._rope_cache.clear()
+
+
+@contextlib.contextmanager
+def _perturbed_weight(fast) -> Iterator[None]:
+    w = fast.params[f"blocks.{min(FAULT_LAYER, fast.cfg.num_layers - 1)}.ffn.net.2.weight"]
+    saved = w.clone()
+    w.view(-1)[0] += 0.5 * w.abs().max()   # in place: the block's weights view the same tensor
+    try:
+        yield
+    finally:
+        w.copy_(saved)
+
+
+@contextlib.contextmanager
+def planted_dit(fault: str | None, fast) -> Iterator[None]:
+    if fault == "rope-wrong-axis":
+        with _rope_wrong_axis(fast):
+            yield
+    elif fault == "perturbed-weight":
+        with _perturbed_weight(fast):
+            yield
+    else:
+        yield
+
+
+# ------------------------------------------------------------------------------------------------
+# UMT5
+# ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def planted_umt5(fault: str | None, encoder) -> Iterator[None]:
+    if fault != "text-padding-not-zeroed":
+        yield
+        return
+
+    def untrimmed(prompts, max_sequence_length):
+        """Every row of the padded batch kept: the encoder's outputs at padded positions reach the DiT."""
+        L = max_sequence_length
+        ids = torch.zeros(len(prompts), L, dtype=torch.long)
+        mask = torch.zeros(len(prompts), L, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, :p.numel()], mask[r, :p.numel()] = p, 1
+        out = encoder.forward(ids, mask)
+        return [out[r].clone() for r in range(len(prompts))]
+
+    encoder.clear_cache()
+    encoder._run = untrimmed
+    try:
+        yield
+    finally:
+        del encoder._run
+        encoder.clear_cache()   # nothing encoded under the fault survives it
+
+
+# ------------------------------------------------------------------------------------------------
+# VAE (vae.py plants them), loop, decode
+# ------------------------------------------------------------------------------------------------
+
+def planted_vae(fault: str | None, fast_vae):
+    return vae.planted(VAE_FAULTS.get(fault), fast_vae)
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, replacement) -> Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _expert_switch_late():
+    from optimized.models.wan import denoise
+
+    def late(original):
+        def schedule(cfg, timesteps):
+            experts = list(original(cfg, timesteps))
+            if 2 in experts:
+                experts[experts.index(2)] = 1   # the first low-noise step still runs the high-noise expert
+            return tuple(experts)
+        return schedule
+    return _patched(denoise, "expert_schedule", late)
+
+
+@contextlib.contextmanager
+def planted_engine(fault: str | None, engine) -> Iterator[None]:
+    """C1: a DiT / UMT5 / loop fault in an engine's model instance or loop."""
+    with contextlib.ExitStack() as stack:
+        if fault in DIT_FAULTS:
+            stack.enter_context(planted_dit(fault, engine.model.dit))
+        elif fault in UMT5_FAULTS:
+            stack.enter_context(planted_umt5(fault, engine.model.text_encoder))
+        elif fault == "expert-switch-late":
+            stack.enter_context(_expert_switch_late())
+        yield
+
+
+def planted_decode(fault: str | None):
+    """C4: the engine's media chain de-normalises with z * (1 / std) + mean (the pipeline's reciprocal std taken
+    for the std: its `latent_stats` hands out 1 / std)."""
+    if fault != "inverted-latents-std":
+        return contextlib.nullcontext()
+    from optimized.models.wan import media
+
+    def inverted(original):
+        def latent_stats(cfg, like):
+            mean, std = original(cfg, like)
+            return mean, 1.0 / std
+        return latent_stats
+    return _patched(media, "latent_stats", inverted)
