@@ -9,6 +9,7 @@ run; 3 an internal error of the harness itself.
 from __future__ import annotations
 
 import sys
+import inspect
 from pathlib import Path
 
 import click
@@ -116,17 +117,21 @@ def list_cmd(probes: bool) -> None:
                    "Default: all for C0, fp32 for C1 (bf16 trajectories compound rounding; ask for them).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random weights and inputs.")
 @click.option("--plant-fault", "fault", default=None,
-              help="Negative control: plant a named fault in the optimized side; the run must FAIL and "
-                   "name the divergent layer. See `fvparity list`.")
+              help="Negative control: plant a named fault (on the optimized side, the reference side or in shared "
+                   "manifest logic); the run must FAIL and name the divergent layer / step. See `fvparity list`.")
 @click.option("--world-size", "world_sizes", type=click.IntRange(1, 64), multiple=True,
               help="Sequence-parallel world size(s) to check against world size 1 (repeatable; families with a "
                    "parallel plan only, e.g. seedvr2; CPU ranks use gloo).")
+@click.option("--cases", type=click.Choice(["ci", "full"]), default="ci", show_default=True,
+              help="Case matrix of families that generate their cases by rule (cosmos3 C0/C1): ci = every rule "
+                   "once (the CI main job); full = every draw, batch position and config permutation.")
 @click.option("--graph", type=click.Choice(["eager", "compile", "cuda"]), default="eager", show_default=True,
               help="How the optimized step body runs: eager, torch.compile per shape bucket, or captured CUDA graphs "
                    "(levels that take it only, e.g. cosmos3 C1).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the full report (every metric) as JSON to this path.")
-def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, graph, json_path) -> None:
+def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, cases, graph,
+            json_path) -> None:
     """Run parity level LEVEL for FAMILY and print a table of checks.
 
     Exit code 0 when every check passes, 1 when any fails, 2 on a usage/setup error (unknown --device,
@@ -145,8 +150,12 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
             if not fam.supports_world_size:
                 raise SetupError(f"{family} has no sequence-parallel plan; --world-size does not apply")
             extra["world_sizes"] = sorted(set(world_sizes))
+        if cases != "ci":
+            params = inspect.signature(fam.levels[level]).parameters
+            if "cases" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                raise SetupError(f"{family} {level} has one fixed case list; --cases {cases} does not apply")
+            extra["cases"] = cases
         if graph != "eager":
-            import inspect
             if "graph" not in inspect.signature(fam.levels[level]).parameters:
                 raise SetupError(f"{family} {level} has no graph modes; --graph {graph} does not apply")
             extra["graph"] = graph
@@ -181,6 +190,61 @@ def golden_cmd(case_dirs, side, json_path) -> None:
     except SetupError as e:
         _fail_setup(str(e))
     _emit(report, json_path)
+
+
+@cli.command("mutate")
+@click.argument("family")
+@click.option("--jobs", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Mutations run in parallel (one scratch copy and one check subprocess each).")
+@click.option("--only", "only", multiple=True, help="Run only this mutation (repeatable; names from --list).")
+@click.option("--category", "categories", multiple=True, help="Run only mutations of this category (repeatable).")
+@click.option("--check", "check_names", multiple=True,
+              help="Run only this check (repeatable): run:C0 .. run:C4 or golden. Default: every implemented "
+                   "level and the family's golden cases.")
+@click.option("--min-score", type=click.FloatRange(0, 100), default=None,
+              help="Exit 1 when the mutation score (percent) is below this. Default: report only (exit 0).")
+@click.option("--timeout", type=click.IntRange(10, 24 * 3600), default=1800, show_default=True,
+              help="Seconds one check may run on one mutation (a hang counts as crashed).")
+@click.option("--no-baseline", is_flag=True, help="Skip checking the clean tree first (checks then run in "
+                                                  "declaration order and none is left out).")
+@click.option("--list", "list_only", is_flag=True, help="Print the catalogue and exit.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write every outcome (checks, baseline, score) as JSON to this path.")
+def mutate_cmd(family, jobs, only, categories, check_names, min_score, timeout, no_baseline, list_only,
+               json_path) -> None:
+    """Plant each catalogued porting bug of FAMILY (parity/mutations/FAMILY.json) in a scratch copy, run the
+    family's `fvparity run` levels and goldens against it, and report the mutation score = caught / valid.
+
+    \b
+    caught   a check failed (crashed: it exited 2/3 or timed out; counted as caught, shown apart)
+    survived every check passed        invalid  the edit did not apply or broke import (not counted)
+    The working tree is never modified. Exit 0, or 1 when --min-score is given and not met; 2 usage / setup.
+    """
+    from parity import mutate
+
+    try:
+        check_json_path(json_path)
+        mutations = mutate.load_catalogue(family)
+        if list_only:
+            from tabulate import tabulate
+            click.echo(tabulate([[m.name, m.side, m.category, m.why] for m in mutations],
+                                headers=["mutation", "side", "category", "why a porter could make it"]))
+            return
+        from parity.families import get_family
+        get_family(family)
+        selected = mutate.select(mutations, tuple(only), tuple(categories))
+        run = mutate.run_mutations(family, selected, jobs=jobs, timeout=timeout, check_names=tuple(check_names),
+                                   baseline=not no_baseline, progress=lambda msg: click.echo(msg, err=True))
+    except SetupError as e:
+        _fail_setup(str(e))
+    click.echo(run.table())
+    if run.dropped_checks:
+        click.echo(f"left out (failing on the clean tree): {', '.join(run.dropped_checks)}")
+    click.echo(run.summary())
+    if json_path:
+        mutate.write_json(run, json_path)
+        click.echo(f"wrote {json_path}")
+    sys.exit(1 if min_score is not None and (run.score is None or 100 * run.score < min_score) else 0)
 
 
 def main() -> None:

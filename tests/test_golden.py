@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from tests.conftest import ROOT, has_module
 
 CASES = sorted((ROOT / "golden" / "cosmos3").iterdir())
+# the model-output cases (processor cases hold token ids and pixels: tests/test_processors.py checks them)
+MODEL_CASES = [c for c in CASES if json.loads((c / "case.json").read_text())["probe"] != "cosmos3.processor"]
 
 
 def test_cases_exist():
@@ -38,7 +40,7 @@ def test_all_goldens_pass_both_sides(fvparity, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     names = [c["name"] for c in doc["checks"]]
-    for case in CASES:
+    for case in MODEL_CASES:
         probe = json.loads((case / "case.json").read_text())["probe"]
         for side in ("reference", "optimized"):
             if probe == "cosmos3.reason":
@@ -50,9 +52,10 @@ def test_all_goldens_pass_both_sides(fvparity, tmp_path):
             else:
                 assert f"{case.name}/{side}:vision_trajectory" in names
                 assert f"{case.name}/{side}:model_timesteps" in names
-    for c in doc["checks"]:
-        if c["metrics"]:
-            assert c["metrics"]["rel_l2"] <= 1e-5
+    tolerance = {c.name: json.loads((c / "case.json").read_text())["tolerance"] for c in CASES}
+    for c in doc["checks"]:  # each within its own case's tolerance (the bf16 case has a bf16 one)
+        if c["metrics"] and "rel_l2" in tolerance[c["name"].split("/")[0]]:
+            assert c["metrics"]["rel_l2"] <= tolerance[c["name"].split("/")[0]]["rel_l2"], c["name"]
 
 
 def copy_case(tmp_path, name="silu_sound_action_i2v") -> Path:

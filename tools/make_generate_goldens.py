@@ -2,7 +2,11 @@
 """Make golden cases for probe ``cosmos3.generate`` from upstream diffusers code.
 
 One golden case = one end-to-end run of diffusers' ``Cosmos3OmniPipeline(..., output_type="latent")`` on tiny
-components (CPU, fp32, one thread) with EXPLICIT initial latents (vision, sound, action) and EXPLICIT token ids:
+components (CPU, fp32, one thread) with EXPLICIT initial latents (vision, sound, action) and EXPLICIT token ids.
+Seeded cases (``noise_seed``) pass NO latents: the pipeline draws its own noise from
+``generator=torch.Generator().manual_seed(noise_seed)`` (vision, then sound, then action), and the draw is stored as
+``initial_*`` outputs; bf16 cases (``dtype``) load the transformer with ``from_pretrained(torch_dtype=bfloat16)``,
+so upstream's ``_keep_in_fp32_modules`` keeps the time embedder in fp32 as a real load does.
 
   * transformer: a tiny ``Cosmos3OmniTransformer`` with every weight random (``make_goldens.randomize_weights``);
     it is the only component stored (``upstream/``);
@@ -127,6 +131,38 @@ CASES: dict[str, dict[str, Any]] = {
         description="action policy, bridge (domain 7, raw_action_dim 10 < action_dim 12), chunk 4 (5 frames, "
                     "latent [1,48,2,2,3], frame 0 clean), 3 steps, guidance 1.0 (no uncond pass), flow_shift 10",
     ),
+    # ---- seeded / guidance < 1 / one-row action / bf16 (issue 11): what explicit latents and guidance >= 1 hid
+    "gen_sound_seeded_g05": dict(
+        seed=7006, noise_seed=4242,
+        transformer=dict(_BASE, sound_gen=True, sound_dim=8),
+        pipeline=dict(num_frames=5, height=32, width=32, fps=24.0, num_inference_steps=3, guidance_scale=0.5,
+                      scheduler=dict(flow_shift=10.0), enable_sound=True, image=False, action=None),
+        text_len=8, negative_text_len=5,
+        description="text-to-video+sound with the pipeline's OWN seeded draw (generator seed 4242: vision, then "
+                    "sound), guidance 0.5 (< 1: CFG still runs, upstream tests != 1), 5 frames 32x32 (vision "
+                    "[1,48,2,2,2], sound [8,5]), 3 steps, flow_shift 10",
+    ),
+    "gen_policy_chunk1": dict(
+        seed=7007,
+        transformer=dict(_BASE, action_gen=True, action_dim=12, num_embodiment_domains=8),
+        pipeline=dict(num_frames=2, height=32, width=48, fps=15.0, num_inference_steps=3, guidance_scale=3.0,
+                      scheduler=dict(flow_shift=5.0), enable_sound=False, image=True,
+                      action=dict(mode="policy", chunk_size=1, domain_name="bridge_orig_lerobot")),
+        text_len=6, negative_text_len=9,
+        description="action policy with a ONE-ROW chunk (2 frames -> one latent frame, clean), bridge (domain 7, "
+                    "raw_action_dim 10 < 12), fps 15 (a one-row action segment is never fps-modulated), 3 steps, "
+                    "CFG 3.0",
+    ),
+    "gen_t2v_bf16_seeded": dict(
+        seed=7008, noise_seed=99, dtype="bfloat16", tolerance=0.03,  # bf16 noise: 1.4e-2 measured (ours = upstream)
+        transformer=dict(_BASE, num_attention_heads=4, num_key_value_heads=2),
+        pipeline=dict(num_frames=5, height=32, width=48, fps=24.0, num_inference_steps=3, guidance_scale=4.0,
+                      scheduler=dict(flow_shift=10.0), enable_sound=False, image=False, action=None),
+        text_len=10, negative_text_len=6,
+        description="text-to-video, transformer in bf16 (time embedder kept fp32 by from_pretrained), the "
+                    "pipeline's own seeded draw (generator seed 99), 5 frames 32x48 (latent [1,48,2,2,3]), 3 steps, "
+                    "CFG 4.0",
+    ),
     "gen_forward_dynamics": dict(
         seed=7005,
         transformer=dict(
@@ -230,13 +266,16 @@ def resolve(spec: dict[str, Any], tcfg: dict[str, Any]) -> dict[str, Any]:
                   "raw_action_dim": int(_EMBODIMENT_TO_RAW_ACTION_DIM[a["domain_name"]])}
         if action["raw_action_dim"] > tcfg["action_dim"]:
             raise ValueError("raw_action_dim exceeds action_dim")
-    return {
+    params = {
         "num_frames": num_frames, "height": int(p["height"]), "width": int(p["width"]), "fps": float(p["fps"]),
         "num_inference_steps": int(p["num_inference_steps"]), "guidance_scale": float(p["guidance_scale"]),
         "scheduler": full_scheduler(p["scheduler"]),
         "latent_frames": lat_t, "latent_height": lat_h, "latent_width": lat_w, "sound_frames": sound_frames,
         "vision_condition_frames": cond, "action": action,
     }
+    if spec.get("noise_seed") is not None:  # the pipeline draws its own noise from this generator seed
+        params["noise_seed"] = int(spec["noise_seed"])
+    return params
 
 
 def make_inputs(spec: dict[str, Any], tcfg: dict[str, Any], params: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -249,6 +288,10 @@ def make_inputs(spec: dict[str, Any], tcfg: dict[str, Any], params: dict[str, An
         "input_ids": torch.randint(0, V, (spec["text_len"],), generator=g, dtype=torch.int64),
         "negative_input_ids": torch.randint(0, V, (spec["negative_text_len"],), generator=g, dtype=torch.int64),
     }
+    if params.get("noise_seed") is not None:
+        if params["vision_condition_frames"] or params["action"] is not None:
+            raise ValueError("seeded cases are text-to-video (+ sound): conditioning needs the VAE's weights")
+        return t
     C = tcfg["latent_channel"]
     shape = (1, C, params["latent_frames"], params["latent_height"], params["latent_width"])
     noise = torch.randn(shape, generator=g, dtype=torch.float32)
@@ -318,7 +361,9 @@ def run_probe(up, transformer, params: dict[str, Any], inputs: dict[str, torch.T
 
     def prepare_latents(*args, **kwargs):
         r = orig_prepare(*args, **kwargs)
-        log["prepare"] = dict(vision_mask=r[5].clone(), sound_mask=None if r[6] is None else r[6].clone(),
+        log["prepare"] = dict(initial=(r[0].clone(), None if r[1] is None else r[1].clone(),
+                                       None if r[2] is None else r[2].clone()),
+                              vision_mask=r[5].clone(), sound_mask=None if r[6] is None else r[6].clone(),
                               action_mask=None if r[7] is None else r[7].clone(),
                               domain_id=None if r[8] is None else r[8].clone(), raw_action_dim=r[10],
                               action_condition_rows=list(r[11]))
@@ -359,18 +404,22 @@ def run_probe(up, transformer, params: dict[str, Any], inputs: dict[str, torch.T
     kw: dict[str, Any] = dict(
         prompt="(ids bypassed)", negative_prompt=None, fps=params["fps"],
         num_inference_steps=params["num_inference_steps"], guidance_scale=params["guidance_scale"],
-        latents=inputs["noise_vision"].clone(), output_type="latent", return_dict=True,
+        latents=inputs["noise_vision"].clone() if "noise_vision" in inputs else None, output_type="latent",
+        return_dict=True,
         callback_on_step_end=on_step_end,
         callback_on_step_end_tensor_inputs=["latents", "sound_latents", "action_latents"],
         enable_safety_check=False, generator=None,
     )
+    seeded = params.get("noise_seed") is not None
+    if seeded:  # the pipeline's own draw: no latents, a CPU generator
+        kw.update(latents=None, generator=torch.Generator().manual_seed(int(params["noise_seed"])))
     a = params["action"]
     if a is None:
         kw.update(num_frames=params["num_frames"], height=params["height"], width=params["width"])
         if image_in_spec:
             kw["image"] = _conditioning_image(params)
         if params["sound_frames"]:
-            kw.update(enable_sound=True, sound_latents=inputs["noise_sound"].clone())
+            kw.update(enable_sound=True, sound_latents=None if seeded else inputs["noise_sound"].clone())
     else:
         C = up["pmod"].CosmosActionCondition
         kw["action"] = C(mode=a["mode"], chunk_size=a["chunk_size"], domain_name=a["domain_name"],
@@ -397,6 +446,10 @@ def run_probe(up, transformer, params: dict[str, Any], inputs: dict[str, torch.T
     if a is not None:
         res["trajectory_action"] = torch.stack(traj["action_latents"])
         res["latents_action"] = res["trajectory_action"][-1].clone()
+    if seeded:  # the pipeline's own draw, as prepare_latents returned it
+        for m, x in zip(("vision", "sound", "action"), log["prepare"]["initial"]):
+            if x is not None:
+                res[f"initial_{m}"] = x.to(torch.float32)
 
     # ---- what the transformer saw ----
     cfg = params["guidance_scale"] != 1.0
@@ -433,14 +486,18 @@ def _sanity(params: dict[str, Any], inputs: dict[str, torch.Tensor], out: dict[s
     T = params["latent_frames"]
     assert pr["vision_mask"].shape == (T, 1, 1)
     assert pr["vision_mask"][:, 0, 0].nonzero().flatten().tolist() == params["vision_condition_frames"]
-    assert out["latents_vision"].shape == inputs["noise_vision"].shape
+    v_shape = (inputs["noise_vision"] if "noise_vision" in inputs else out["initial_vision"]).shape
+    assert v_shape[2:] == (T, params["latent_height"], params["latent_width"]), v_shape
+    assert out["latents_vision"].shape == v_shape
     assert out["timesteps"].shape == (N,) and out["sigmas"].shape == (N + 1,)
     assert torch.equal(out["model_timesteps"], out["timesteps"]), (out["model_timesteps"], out["timesteps"])
-    assert out["trajectory_vision"].shape == (N, *inputs["noise_vision"].shape)
+    assert out["trajectory_vision"].shape == (N, *v_shape)
     assert torch.equal(out["trajectory_vision"][-1], out["latents_vision"]), "trajectory[-1] != final latents"
     if params["sound_frames"]:
         assert pr["sound_mask"].shape == (params["sound_frames"], 1)
-        assert out["trajectory_sound"].shape == (N, *inputs["noise_sound"].shape)
+        s_shape = (inputs["noise_sound"] if "noise_sound" in inputs else out["initial_sound"]).shape
+        assert s_shape[1] == params["sound_frames"], s_shape
+        assert out["trajectory_sound"].shape == (N, *s_shape)
         assert torch.equal(out["trajectory_sound"][-1], out["latents_sound"])
         notes.append(f"waveform {list(diag['sound_waveform'].shape)}")
     a = params["action"]
@@ -474,9 +531,9 @@ def _case_json(up, spec: dict[str, Any], params: dict[str, Any]) -> dict[str, An
         "upstream": {"package": "diffusers", "version": up["diffusers"].__version__, "class": UPSTREAM_CLASS,
                      "torch": torch.__version__},
         "upstream_format": "diffusers",
-        "dtype": "float32",
+        "dtype": spec.get("dtype", "float32"),
         "seed": int(spec["seed"]),
-        "tolerance": {"rel_l2": REL_L2_TOL},
+        "tolerance": {"rel_l2": spec.get("tolerance") or REL_L2_TOL},
         "params": params,
         "description": spec["description"],
         # not read by fvparity: how upstream was driven, for re-running it (weights of these don't matter)
@@ -528,6 +585,12 @@ def build_case(name: str, spec: dict[str, Any], out_root: Path) -> Path:
     transformer = up["Transformer"](**tcfg)
     randomize_weights(transformer, seed)
     transformer.eval()
+    fp32_transformer = transformer
+    if spec.get("dtype", "float32") != "float32":  # a real low-precision load: fp32-kept modules stay fp32
+        tmp_load = out_root / f".{name}.load"
+        transformer.save_pretrained(tmp_load, safe_serialization=True)
+        transformer = load_transformer(up, tmp_load, spec["dtype"])
+        shutil.rmtree(tmp_load)
     inputs = make_inputs(spec, tcfg, params)
     image = bool(spec["pipeline"].get("image"))
 
@@ -546,7 +609,7 @@ def build_case(name: str, spec: dict[str, Any], out_root: Path) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    transformer.save_pretrained(tmp / "upstream", safe_serialization=True)
+    fp32_transformer.save_pretrained(tmp / "upstream", safe_serialization=True)  # fp32 weights, always
     save_file(inputs, str(tmp / "inputs.safetensors"), metadata={"format": "pt"})
     save_file(out, str(tmp / "outputs.safetensors"), metadata={"format": "pt"})
     (tmp / "case.json").write_text(_dumps(_case_json(up, spec, params)) + "\n")
@@ -573,14 +636,20 @@ def _realloc(model: torch.nn.Module) -> None:
         t.data = t.data.clone()
 
 
+def load_transformer(up, path: Path, dtype: str):
+    """from_pretrained at the case's dtype (bf16: the time embedder stays fp32, upstream `_keep_in_fp32_modules`)."""
+    t = up["Transformer"].from_pretrained(str(path), torch_dtype=getattr(torch, dtype)).eval()
+    _realloc(t)
+    return t
+
+
 def verify_case(case_dir: Path) -> bool:
     """Re-run upstream from the case files alone (transformer from upstream/, params, inputs) and compare exactly."""
     up = _import_upstream()
     _setup_determinism()
     case = json.loads((case_dir / "case.json").read_text())
     params = case["params"]
-    transformer = up["Transformer"].from_pretrained(str(case_dir / "upstream"), torch_dtype=torch.float32).eval()
-    _realloc(transformer)
+    transformer = load_transformer(up, case_dir / "upstream", case.get("dtype", "float32"))
     inputs = load_file(str(case_dir / "inputs.safetensors"))
     ref = load_file(str(case_dir / "outputs.safetensors"))
     image = bool(case.get("upstream_run", {}).get("conditioning_image", bool(params["vision_condition_frames"])))

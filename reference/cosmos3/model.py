@@ -354,5 +354,8 @@ def load_transformer(cfg: Cosmos3Config, state: dict[str, torch.Tensor], device:
             raise ValueError(f"cosmos3 checkpoint: {k} has shape {list(v.shape)}, expected {list(expected[k].shape)}")
     model.load_state_dict(state, strict=True)
     model.to(device=device, dtype=dtype)
-    model.time_embed.float()  # upstream keeps the time embedder in fp32
+    # upstream keeps the time embedder in fp32 (`_keep_in_fp32_modules`), loaded from the checkpoint's fp32 values:
+    # re-copy them, since casting the module back after `.to(dtype)` would keep them rounded to the run dtype
+    model.time_embed.float().load_state_dict({k[len("time_embed."):]: v for k, v in state.items()
+                                              if k.startswith("time_embed.")})
     return model.eval()

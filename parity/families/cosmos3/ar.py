@@ -13,6 +13,7 @@ from manifests.cosmos3 import Cosmos3Config, canonical_key_shapes
 from manifests.cosmos3.reasoning import ReasonRequest
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest, UniPCConfig
 from parity.errors import SetupError
+from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3.common import load_reference
 from parity.metrics import compare, within
 from parity.report import CheckResult
@@ -21,17 +22,12 @@ import optimized
 from reference.cosmos3 import generate
 from reference.cosmos3.reasoner import reason, und_logits
 
-NEW_TOKENS = 6
+NEW_TOKENS = case_lib.AR_TOKENS
 
 
-def ar_requests(cfg: Cosmos3Config) -> list[ReasonRequest]:
-    g = torch.Generator().manual_seed(77)
-    ids = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g)
-    return [
-        ReasonRequest(ids(7), NEW_TOKENS),                                         # greedy
-        ReasonRequest(ids(4), NEW_TOKENS + 2, temperature=0.9, top_k=20, seed=3),  # sampled, other length
-        ReasonRequest(ids(11), NEW_TOKENS - 1, temperature=0.7, top_p=0.8, seed=5),
-    ]
+def ar_requests(cfg: Cosmos3Config, matrix: str = "ci", seed: int = 0) -> list[ReasonRequest]:
+    """Short greedy / top-k / top-p requests and the long top-k / top-p ones of rule `sampling` (cases.py)."""
+    return case_lib.ar_requests(cfg, matrix, seed)
 
 
 def denoise_request(cfg: Cosmos3Config, seed: int) -> Cosmos3GenerateRequest:
@@ -58,19 +54,28 @@ def compare_reasoning(name: str, got: dict, want, tol) -> list[CheckResult]:
 
 
 def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, tol, tol_c1,
-              progress) -> list[CheckResult]:
+              progress, reqs: list[ReasonRequest] | None = None) -> list[CheckResult]:
     checks: list[CheckResult] = []
-    reqs = ar_requests(cfg)
+    reqs = reqs if reqs is not None else ar_requests(cfg)
     wants = [reason(reference, r) for r in reqs]
 
     progress(f"[cosmos3 C1] {prefix}: reasoning solo and batched")
     for i, (r, want) in enumerate(zip(reqs, wants)):
         eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
-        checks += compare_reasoning(f"{prefix}/ar/solo{i}", eng.reason(r, record_logits=True), want, tol)
+        try:
+            got = eng.reason(r, record_logits=True)
+        except RuntimeError as e:  # a failed engine request is a failed check, not a crash of the run
+            checks.append(CheckResult(f"{prefix}/ar/solo{i}:tokens", False, detail=str(e)))
+            continue
+        checks += compare_reasoning(f"{prefix}/ar/solo{i}", got, want, tol)
     eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
     handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
     eng.run_until_idle()
     for i, (h, want) in enumerate(zip(handles, wants)):
+        if h.status != "completed":
+            checks.append(CheckResult(f"{prefix}/ar/batched{i}:tokens", False,
+                                      detail=f"engine request {h.status}: {h.record.error}"))
+            continue
         checks += compare_reasoning(f"{prefix}/ar/batched{i}", h.result(), want, tol)
 
     progress(f"[cosmos3 C1] {prefix}: reasoning mixed with denoising in one scheduler")

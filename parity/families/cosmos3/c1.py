@@ -1,14 +1,20 @@
 """cosmos3 C1: whole denoising loops, reference `generate` vs the engine, compared after every step.
 
-Cases: one request; three concurrent requests (different seeds, guidance scales, start times) batched by the
-scheduler, each against its own solo reference run; both CFG policies; image-to-video; sound; each action mode;
-the shipped Karras schedule; a prompt change on a warm und cache. The first divergent step is localised to a
-layer by re-running that step's forward on both sides with their own inputs.
+Cases (parity/families/cosmos3/cases.py): the anchor loops (one request; three concurrent requests at different
+start times; both CFG policies; i2v; sound; each action mode; the shipped Karras schedule) and the loops generated
+by rule with a fixed seed (guidance 1 / < 1 / > 1, an unguided request at every batch position, one-row actions,
+images, conditioned frames, one-token prompt edits, native / Karras schedules), `--cases ci` (every rule once) or
+`full`. Each request is compared with its own solo reference run: the timesteps fed to the model and the initial
+noise exactly, then the latents after every step. The first divergent step is localised to a layer by replaying
+the REAL batched call of that step (the batch mates the scheduler ran it with, from the trace.step events, through
+the same CFG policy) against the reference's forward. Upstream anchors: the seeded `cosmos3.generate` goldens in
+UPSTREAM_ANCHORS run in C1 too, so logic both sides share (manifests) is held to diffusers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -21,7 +27,9 @@ from manifests.parity import Tolerance, load_parity_contract
 from parity.errors import SetupError
 from parity.families.cosmos3 import faults as fault_lib
 from parity.families.cosmos3.ar import ar_checks
-from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, resolve_models
+from parity.families.cosmos3 import cases as case_lib
+from parity.families.cosmos3.cases import STEPS, LoopCase
+from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, replay_batched_forward, resolve_models
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
@@ -30,60 +38,16 @@ from parity.report import CheckResult, Report
 import optimized
 import reference.cosmos3 as ref
 
-STEPS = 4
+_request, _condition = case_lib.request, case_lib.condition
+
+# seeded upstream goldens run inside C1 (cheap: tiny, 3 steps): they hold shared manifest logic (uses_cfg, the
+# seeded draw order) to diffusers, which no reference-vs-optimized comparison can
+UPSTREAM_ANCHORS = {"ci": ("gen_sound_seeded_g05",), "full": ("gen_sound_seeded_g05", "gen_policy_chunk1")}
+GOLDEN_DIR = Path(__file__).resolve().parents[3] / "golden" / "cosmos3"
 
 
-@dataclass(frozen=True)
-class LoopCase:
-    name: str
-    requests: tuple[Cosmos3GenerateRequest, ...]
-    start_ticks: tuple[int, ...] = (0,)      # scheduler ticks before each request is submitted
-    cfg_policy: str = "batched"
-
-
-def _request(cfg: Cosmos3Config, seed: int, guidance: float = 5.0, text_len: int = 7, **kw) -> Cosmos3GenerateRequest:
-    g = torch.Generator().manual_seed(1000 + seed)
-    base = dict(text_ids=torch.randint(0, cfg.vocab_size, (text_len,), generator=g),
-                negative_text_ids=torch.randint(0, cfg.vocab_size, (3,), generator=g),
-                latent_frames=3, latent_height=4, latent_width=6, num_steps=STEPS, guidance_scale=guidance,
-                seed=seed, scheduler=UniPCConfig(flow_shift=10.0))
-    base.update(kw)
-    return Cosmos3GenerateRequest(**base)
-
-
-def _condition(cfg: Cosmos3Config, seed: int, frames: int = 3) -> torch.Tensor:
-    return torch.randn(1, cfg.latent_channels, frames, 4, 6, generator=torch.Generator().manual_seed(2000 + seed))
-
-
-def loop_cases(cfg: Cosmos3Config) -> list[LoopCase]:
-    cases = [
-        LoopCase("t2v", (_request(cfg, 1),)),
-        # req0 and req2 share a shape (so a shared solver state would mix them); req1 differs in every way
-        LoopCase("concurrent3", (_request(cfg, 2, 3.0), _request(cfg, 3, 7.5, text_len=5, latent_frames=2),
-                                 _request(cfg, 4, 1.0)), start_ticks=(0, 1, 2)),
-        LoopCase("two_forward_cfg", (_request(cfg, 5),), cfg_policy="two-forward"),
-        LoopCase("i2v", (_request(cfg, 6, vision_condition_frames=(0,), condition_latents=_condition(cfg, 6)),)),
-        LoopCase("karras_shipped", (_request(cfg, 7, scheduler=UniPCConfig.shipped()),)),
-        LoopCase("prompt_change_warm_cache", (_request(cfg, 8), _request(cfg, 9)), start_ticks=(0, STEPS + 1)),
-    ]
-    if cfg.has_sound:
-        cases.append(LoopCase("sound", (_request(cfg, 10, sound_frames=5),)))
-    if cfg.has_action:
-        A = cfg.action_dim
-        raw = max(1, A - 2)
-        dom = cfg.num_embodiment_domains - 1
-        cases += [
-            LoopCase("policy", (_request(cfg, 11, action=ActionSpec("policy", 3, dom, raw_action_dim=raw),
-                                         vision_condition_frames=(0,), condition_latents=_condition(cfg, 11)),)),
-            LoopCase("forward_dynamics", (_request(cfg, 12, action=ActionSpec(
-                "forward_dynamics", 3, 0, raw_action_dim=raw,
-                raw_actions=torch.randn(2, raw, generator=torch.Generator().manual_seed(12))),
-                vision_condition_frames=(0,), condition_latents=_condition(cfg, 12)),)),
-            LoopCase("inverse_dynamics", (_request(cfg, 13, action=ActionSpec("inverse_dynamics", 3, 1),
-                                                   vision_condition_frames=(0, 1, 2),
-                                                   condition_latents=_condition(cfg, 13)),)),
-        ]
-    return cases
+def loop_cases(cfg: Cosmos3Config, matrix: str = "ci", seed: int = 0) -> list[LoopCase]:
+    return case_lib.c1_cases(cfg, matrix, seed)
 
 
 @dataclass
@@ -113,15 +77,24 @@ def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
         handles.append(engine.submit(req, record_trajectory=True))
     engine.run_until_idle()
     runs = []
+    # the batch each step ran in: (request id, its step index) of every batch mate, in the scheduler's order
+    step_of = {(h.request_id, e.tick): e.data.get("step") for h in handles for e in h.events
+               if e.kind == "trace.step"}
     for h in handles:
+        calls = {e.data.get("step"): [(rid, step_of.get((rid, e.tick))) for rid in e.data["batch"]]
+                 for e in h.events if e.kind == "trace.step" and e.data.get("loop") == "cosmos3.denoise"}
         batches = [len(e.data["batch"]) for e in h.events if e.kind == "trace.step"]
+        graphs = [(e.data.get("graph"), e.data.get("bucket"), e.data.get("graph_cache"))
+                  for e in h.events if e.kind == "trace.step" and e.data.get("loop") == "cosmos3.denoise"]
         if h.status == "completed":
             r = h.result()
-            runs.append(SideRun(r["trajectory"], r["initial"], r["timesteps"], {"batch_sizes": batches}))
+            runs.append(SideRun(r["trajectory"], r["initial"], r["timesteps"],
+                                {"batch_sizes": batches, "graphs": graphs, "rid": h.request_id, "calls": calls}))
         else:
             st = h.record.state
             runs.append(SideRun(st.trajectory, st.initial, st.timesteps,
-                                {"batch_sizes": batches, "error": f"engine request {h.status}: {h.record.error}"}))
+                                {"batch_sizes": batches, "graphs": graphs, "rid": h.request_id, "calls": calls,
+                                 "error": f"engine request {h.status}: {h.record.error}"}))
     return runs
 
 
@@ -139,31 +112,79 @@ def forward_inputs(cfg: Cosmos3Config, req: Cosmos3GenerateRequest, latents: dic
         action_domain_id=a.domain_id if a is not None else None)
 
 
-def localise_step(reference, engine, req, ref_run: SideRun, eng_run: SideRun, step: int, tol, dtype) -> str:
-    """Each side re-runs the cond forward of `step` from its own inputs (they agreed up to this step)."""
+def _latents_before(run: SideRun, step: int) -> dict:
+    return run.initial if step == 0 else run.trajectory[step - 1]
+
+
+def localise_step(reference, engine, req, ref_run: SideRun, eng_run: SideRun, step: int, tol, dtype,
+                  peers: dict[str, tuple[Cosmos3GenerateRequest, SideRun]] | None = None,
+                  cfg_policy: str = "batched") -> str:
+    """Replay the engine's REAL batched call of `step` (every batch mate at its own step, from the trace.step
+    events, cond inputs then the guided mates' uncond inputs, through the case's CFG policy) and compare this
+    request's sample, layer by layer, with the reference's forward of the same step from its own inputs."""
     cfg = reference.cfg
-    ref_lat = ref_run.initial if step == 0 else ref_run.trajectory[step - 1]
-    eng_lat = eng_run.initial if step == 0 else eng_run.trajectory[step - 1]
     if ref_run.timesteps[step] != eng_run.timesteps[step]:
         where = f"timestep fed to the model: {eng_run.timesteps[step]} vs reference {ref_run.timesteps[step]}; "
     else:
         where = ""
-    branches = [("cond", req.text_ids)] + ([("uncond", req.negative_text_ids)] if req.uses_cfg else [])
-    for branch, text in branches:
-        rt, ot = TraceRecorder(), TraceRecorder(sample=0)
+    differs = [m for m, x in ref_run.initial.items() if m not in (eng_run.initial or {}) or
+               eng_run.initial[m].shape != x.shape or not torch.equal(eng_run.initial[m], x)]
+    if step == 0 and differs:  # the loops part before any forward: the draw or the conditioning mix
+        where += f"initial latents differ ({', '.join(differs)}: seeded draw / conditioning mix); "
+    peers, me_rid = peers or {}, eng_run.extra.get("rid")
+    batch = []   # (request, SideRun, step) per batch mate, in the engine's order
+    for rid, k in eng_run.extra.get("calls", {}).get(step) or [(me_rid, step)]:
+        if rid == me_rid:
+            batch.append((req, eng_run, step))
+        elif rid in peers and k is not None and k < len(peers[rid][1].timesteps) and k <= len(peers[rid][1].trajectory):
+            batch.append((*peers[rid], k))
+        else:  # a mate whose inputs this case did not keep: replay this request alone
+            batch = [(req, eng_run, step)]
+            break
+    me = next(i for i, (q, r, k) in enumerate(batch) if r is eng_run)
+    label = "alone" if len(batch) == 1 else "batched call [" + ", ".join(
+        f"{'this request' if i == me else f'mate {i}'}@step{k}{'' if q.uses_cfg else ' (unguided)'}"
+        for i, (q, r, k) in enumerate(batch)) + f"] ({cfg_policy} CFG)"
+    branches = [("cond", "text_ids")] + ([("uncond", "negative_text_ids")] if req.uses_cfg else [])
+    for branch, ids in branches:
+        inputs = {("cond", i): forward_inputs(cfg, q, _latents_before(r, k), r.timesteps[k], dtype, q.text_ids)
+                  for i, (q, r, k) in enumerate(batch)}
+        inputs.update({("uncond", i): forward_inputs(cfg, q, _latents_before(r, k), r.timesteps[k], dtype,
+                                                     q.negative_text_ids)
+                       for i, (q, r, k) in enumerate(batch) if q.uses_cfg})
+        cond = [v for (b, _), v in inputs.items() if b == "cond"]
+        uncond = [v for (b, _), v in inputs.items() if b == "uncond"]
+        ot = replay_batched_forward(engine.model, cfg_policy, cond, uncond, inputs[(branch, me)])
+        rt = TraceRecorder()
         with torch.no_grad():
-            reference(forward_inputs(cfg, req, ref_lat, ref_run.timesteps[step], dtype, text), trace=rt)
-            engine.model.forward_batch([forward_inputs(cfg, req, eng_lat, eng_run.timesteps[step], dtype, text)],
-                                       trace=ot)
-        div = first_divergence(ot.records, rt.records, tol)
+            reference(forward_inputs(cfg, req, _latents_before(ref_run, step), ref_run.timesteps[step], dtype,
+                                     getattr(req, ids)), trace=rt)
+        div = first_divergence(ot, rt.records, tol)
         if div is not None:
-            return f"step {step}, {where}{branch} branch, layer {div.name}"
-    return f"step {step}, {where}no layer: after the transformer (CFG combine / solver)"
+            return f"step {step}, {where}{branch} branch, layer {div.name} (replayed {label})"
+    return f"step {step}, {where}no layer: after the transformer (CFG combine / solver; replayed {label})"
 
 
 def compare_runs(prefix: str, ref_run: SideRun, eng_run: SideRun, tol: Tolerance,
                  localise: Callable[[int], str]) -> list[CheckResult]:
     checks = []
+    same_ts = list(eng_run.timesteps) == list(ref_run.timesteps)
+    checks.append(CheckResult(f"{prefix}/timesteps", same_ts, detail=f"{len(ref_run.timesteps)} timesteps fed to "
+                              f"the model identical" if same_ts else f"engine {list(eng_run.timesteps)} vs "
+                              f"reference {list(ref_run.timesteps)}"))
+    for m, want in ref_run.initial.items():  # the initial noise (seeded draw, conditioning mix) bit for bit
+        got = (eng_run.initial or {}).get(m)
+        ok = got is not None and got.shape == want.shape and torch.equal(got, want)
+        if ok:
+            detail = "identical"
+        elif got is None or got.shape != want.shape:
+            detail = f"engine {None if got is None else list(got.shape)} vs reference {list(want.shape)}"
+        else:
+            rows = (got != want).reshape(got.shape[0] if got.ndim == 2 else got.shape[2], -1) if got.ndim == 2 \
+                else (got != want).transpose(0, 2).reshape(got.shape[2], -1)
+            bad = rows.any(dim=1).nonzero().flatten().tolist()
+            detail = f"differs in {'rows' if got.ndim == 2 else 'latent frames'} {bad}"
+        checks.append(CheckResult(f"{prefix}/initial:{m}", ok, detail=detail))
     if len(eng_run.trajectory) != len(ref_run.trajectory) or "error" in eng_run.extra:
         checks.append(CheckResult(f"{prefix}/completed", False,
                                   detail=f"{len(eng_run.trajectory)} engine steps vs {len(ref_run.trajectory)} "
@@ -185,40 +206,79 @@ def compare_runs(prefix: str, ref_run: SideRun, eng_run: SideRun, tol: Tolerance
     return checks
 
 
-def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress) -> Report:
+def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: str = "eager", cases: str = "ci",
+           only: tuple[str, ...] | None = None) -> Report:
+    """`cases`: the case matrix ("ci": every rule once, "full"); `only`: run just the loop cases (and upstream
+    anchors) whose names start with one of these, and skip the AR checks unless "ar" is among them (negative
+    controls and the mutation runner use it to stay small)."""
     if fault is not None and fault not in fault_lib.COSMOS3_C1_FAULTS:
         raise SetupError(f"unknown C1 fault {fault!r}; known: {', '.join(fault_lib.COSMOS3_C1_FAULTS)}")
+    if cases not in case_lib.MATRICES:
+        raise SetupError(f"unknown case matrix {cases!r}; known: {', '.join(case_lib.MATRICES)}")
+    wanted = lambda name: only is None or any(name.startswith(o) for o in only)
     contract = load_parity_contract("cosmos3")
     report = Report("cosmos3", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                       "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
-                                      "steps": STEPS})
+                                      "steps": STEPS, "graph": graph, "cases": cases})
     for vname, cfg, state in resolve_models(variants, checkpoint, seed):
         for dname in dtypes:
             dtype = DTYPES[dname]
             tol = contract.tolerance("C1", DTYPE_NAMES[dname], device.split(":")[0])
             c0_tol = contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
             reference = load_reference(cfg, state, device, dtype)
-            for case in loop_cases(cfg):
+            for case in [c for c in loop_cases(cfg, cases, seed) if wanted(c.name)]:
                 progress(f"[cosmos3 C1] {vname} {dname}: {case.name} ({len(case.requests)} request(s), "
                          f"{case.cfg_policy} CFG)")
                 engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy)
+                engine.model.configure_graph(graph, cfg_policy=case.cfg_policy, variant=vname)
                 with fault_lib.planted_c1(fault, engine):
                     eng_runs = run_engine_case(engine, case)
+                    peers = {e.extra["rid"]: (q, e) for q, e in zip(case.requests, eng_runs)}
                     for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
                         ref_run = run_reference_loop(reference, req)
                         prefix = f"{vname}/{dname}/{case.name}" + (f"/req{k}" if len(case.requests) > 1 else "")
                         checks = compare_runs(prefix, ref_run, eng_run, tol, lambda step, req=req, r=ref_run,
-                                              e=eng_run: localise_step(reference, engine, req, r, e, step,
-                                                                       c0_tol, dtype))
-                        if len(case.requests) > 1 and case.name == "concurrent3":
+                                              e=eng_run, c=case: localise_step(reference, engine, req, r, e, step,
+                                                                               c0_tol, dtype, peers, c.cfg_policy))
+                        if graph != "eager":  # the step body really ran the asked graph, bucket by bucket
+                            want = {"compile": "compiled", "cuda": "replayed"}[graph]
+                            kinds = eng_run.extra.get("graphs", [])
+                            ok = bool(kinds) and all(k[0] == want for k in kinds)
+                            checks.append(CheckResult(f"{prefix}/graph_{graph}", ok, detail="; ".join(
+                                f"{k}@{b} {c}" for k, b, c in kinds)))
+                        if len(case.requests) > 1 and (case.name == "concurrent3" or "batch_position" in case.rules):
                             batched = max(eng_run.extra["batch_sizes"]) > 1
                             checks.append(CheckResult(f"{prefix}/batched_with_others", batched,
                                                       detail=f"batch sizes per step {eng_run.extra['batch_sizes']}"))
                         report.checks += checks
-            with fault_lib.planted_c1(fault, None):
-                report.checks += ar_checks(f"{vname}/{dname}", cfg, state, reference, dtype, device, c0_tol, tol,
-                                           progress)
+            if wanted("ar"):
+                with fault_lib.planted_c1(fault, None):
+                    report.checks += ar_checks(f"{vname}/{dname}", cfg, state, reference, dtype, device, c0_tol,
+                                               tol, progress, case_lib.ar_requests(cfg, cases, seed))
+    if checkpoint is None:  # the anchors are tiny upstream models of their own, whatever the variants
+        with fault_lib.planted_c1(fault, None):
+            report.checks += upstream_anchor_checks([a for a in UPSTREAM_ANCHORS[cases] if wanted(a)], progress)
     return report
+
+
+def upstream_anchor_checks(names, progress) -> list[CheckResult]:
+    """The seeded `cosmos3.generate` goldens named in UPSTREAM_ANCHORS, both sides, as C1 checks `upstream/...`."""
+    from parity.golden import load_case, run_probe
+
+    checks = []
+    for name in names:
+        progress(f"[cosmos3 C1] upstream anchor {name} (diffusers Cosmos3OmniPipeline, seeded)")
+        path = GOLDEN_DIR / name
+        if not (path / "case.json").is_file():
+            checks.append(CheckResult(f"upstream/{name}", False, detail=f"golden case {path} missing"))
+            continue
+        results = run_probe(golden_generate_probe, load_case(path), ("reference", "optimized"))
+        for c in results:
+            c.name = f"upstream/{c.name}"
+            if not c.passed and not c.divergence:  # both sides may agree with each other: upstream tells
+                c.divergence = f"upstream anchor {name}: {c.detail or 'differs from diffusers'}"
+        checks += results
+    return checks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,11 +295,12 @@ def golden_request(case) -> Cosmos3GenerateRequest:
             text_ids=t["input_ids"], negative_text_ids=t["negative_input_ids"],
             latent_frames=int(p["latent_frames"]), latent_height=int(p["latent_height"]),
             latent_width=int(p["latent_width"]), num_steps=int(p["num_inference_steps"]),
-            guidance_scale=float(p["guidance_scale"]), fps=float(p["fps"]), seed=None,
+            guidance_scale=float(p["guidance_scale"]), fps=float(p["fps"]),
+            seed=None if p.get("noise_seed") is None else int(p["noise_seed"]),  # seeded: the pipeline's own draw
             scheduler=UniPCConfig(**p["scheduler"]),
             vision_condition_frames=tuple(int(f) for f in p.get("vision_condition_frames", [])),
             condition_latents=t.get("condition_latents"), sound_frames=int(p.get("sound_frames", 0)),
-            action=action, noise_vision=t["noise_vision"], noise_sound=t.get("noise_sound"),
+            action=action, noise_vision=t.get("noise_vision"), noise_sound=t.get("noise_sound"),
             noise_action=t.get("noise_action"))
     except (KeyError, TypeError) as e:
         raise SetupError(f"golden case {case.path}: incomplete cosmos3.generate inputs/params ({e})") from None
@@ -254,17 +315,28 @@ def golden_generate_probe(case, sides) -> list[CheckResult]:
     except (ConversionError, ManifestError) as e:
         raise SetupError(f"golden case {case.path}: {e}") from None
     tol, out = case.tolerance, case.outputs
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case.meta.get("dtype", "float32")]
     results: list[CheckResult] = []
     for side in sides:
         name = f"{case.name}/{side}"
         if side == "reference":
-            res = ref.generate(load_reference(cfg, state, "cpu", torch.float32), req, keep_trajectory=True)
+            model = load_reference(cfg, state, "cpu", dtype)
+            res = ref.generate(model, req, keep_trajectory=True)
             final = {"vision": res.vision, "sound": res.sound, "action": res.action}
             trajectory, timesteps = res.trajectory, res.timesteps
+            v0, _, s0, a0, _ = ref.sampler.initial_latents(cfg, req)
+            initial = {"vision": v0, "sound": s0, "action": a0}
         else:
-            engine = optimized.Engine.from_state_dict(cfg, state)
+            engine = optimized.Engine.from_state_dict(cfg, state, "cpu", dtype)
             r = engine.generate(req, record_trajectory=True)
-            final, trajectory, timesteps = r["latents"], r["trajectory"], r["timesteps"]
+            final, trajectory, timesteps, initial = r["latents"], r["trajectory"], r["timesteps"], r["initial"]
+        for m in ("vision", "sound", "action"):  # seeded cases: the pipeline's own draw, bit for bit
+            if f"initial_{m}" in out:
+                got = initial.get(m)
+                ok = got is not None and got.shape == out[f"initial_{m}"].shape and torch.equal(
+                    got.float(), out[f"initial_{m}"])
+                results.append(CheckResult(f"{name}:initial_{m}", ok, detail="seeded draw identical to upstream's"
+                                           if ok else f"initial {m} latents differ from upstream's seeded draw"))
         want_ts = out.get("model_timesteps", out.get("timesteps"))
         ok = want_ts is not None and list(timesteps) == want_ts.tolist()
         results.append(CheckResult(f"{name}:model_timesteps", ok,

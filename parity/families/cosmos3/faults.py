@@ -1,6 +1,14 @@
-"""cosmos3's planted faults (negative controls): each breaks the optimized side in one known place. A harness that
-passes with a fault planted, or fails without naming the layer, is broken. C0 faults are planted in a loaded
-fast transformer, C1 faults in an Engine, C4 faults in the C4 engine side (parity/families/cosmos3/c4_setup.py)."""
+"""cosmos3's planted faults (negative controls): each breaks ONE side, or logic both sides share, in one known
+place. A harness that passes with a fault planted, or fails without naming the layer, is broken.
+
+One mechanism: a context manager that patches a module (or class) attribute at a declared seam and restores it on
+exit; production code carries no fault flags. Seams: the optimized side's module-level functions (ops, packing,
+loops, solvers, reasoner), the reference side's (reference.cosmos3.packing.grid_position_ids,
+reference.cosmos3.sampler.initial_latents, reference.cosmos3.model.Cosmos3Transformer.timestep_embedding) and the
+shared manifests (manifests.cosmos3.sampling.Cosmos3GenerateRequest.uses_cfg). C0 faults are planted around a
+loaded pair of models, C1 faults around an Engine and the reference loops, C4 faults in the C4 engine side
+(parity/families/cosmos3/c4_setup.py). Faults on logic both sides share can only be caught against upstream: C1
+runs the seeded upstream anchors (c1.UPSTREAM_ANCHORS) for that."""
 
 from __future__ import annotations
 
@@ -66,11 +74,48 @@ def _timestep_on_cond(fast, cfg: Cosmos3Config):
     return _patched(packing, "timestep_embedding_rows", every_vision_row)
 
 
+def _ref_fps_one_row_action(fast, cfg: Cosmos3Config):
+    """Reference side: fps modulation applied to a one-row action segment (upstream never modulates a segment
+    of one temporal step)."""
+    from reference.cosmos3 import packing as ref_packing
+
+    def modulated(original):
+        def grid_position_ids(cfg, t, h, w, offset, fps, **kw):
+            action_segment = kw.get("tcf") == 1 and kw.get("start_frame") == 1 and kw.get("base_tcf") != 1
+            if t == 1 and action_segment and cfg.enable_fps_modulation and fps is not None:
+                return original(cfg, 2, h, w, offset, fps, **kw)[:, : h * w]  # row 0 of a modulated 2-row grid
+            return original(cfg, t, h, w, offset, fps, **kw)
+        return grid_position_ids
+    return _patched(ref_packing, "grid_position_ids", modulated)
+
+
+def _ref_time_embed_bf16(fast, cfg: Cosmos3Config):
+    """Reference side: the timestep MLP run in bf16 (upstream keeps the time embedder fp32). Inside the C0 bf16
+    tolerance of a whole forward; the time_embed check sees it at every run dtype."""
+    from reference.cosmos3.model import Cosmos3Transformer
+
+    def low_precision(original):
+        def timestep_embedding(self, timestep, n, dtype):
+            params = list(self.time_embed.parameters())
+            saved = [p.data for p in params]
+            for p in params:
+                p.data = p.data.to(torch.bfloat16)
+            try:
+                return original(self, timestep, n, dtype)
+            finally:
+                for p, d in zip(params, saved):
+                    p.data = d
+        return timestep_embedding
+    return _patched(Cosmos3Transformer, "timestep_embedding", low_precision)
+
+
 # name -> (context factory, the canonical trace name the harness must report as first divergence)
 COSMOS3_FAULTS = {
     "perturbed-weight": (_perturbed_weight, lambda cfg: f"layers.{fault_layer(cfg)}.gen"),
     "rope-interleave": (_rope_interleave, lambda cfg: "layers.0.gen"),
     "timestep-on-cond": (_timestep_on_cond, lambda cfg: "embed"),
+    "ref-fps-one-row-action": (_ref_fps_one_row_action, lambda cfg: "layers.0.gen"),
+    "ref-time-embed-bf16": (_ref_time_embed_bf16, lambda cfg: "time_embed"),
 }
 
 
@@ -143,7 +188,41 @@ def _rope_off_by_one_decode(engine):
     return _patched(reasoner, "text_positions", lambda original: lambda cfg, start, n: original(cfg, start + 1, n))
 
 
+def _ref_noise_order(engine):
+    """Reference side: the seeded draw takes sound noise before vision noise (upstream: vision, sound, action)."""
+    from reference.cosmos3 import sampler
+
+    def sound_first(original):
+        def initial_latents(cfg, req, gen=None):
+            if gen is None and req.seed is not None:
+                gen = torch.Generator().manual_seed(req.seed)
+            if req.sound_frames and req.noise_sound is None and gen is not None:
+                req = replace(req, noise_sound=torch.randn(cfg.sound_dim, req.sound_frames, generator=gen))
+            return original(cfg, req, gen)
+        return initial_latents
+    return _patched(sampler, "initial_latents", sound_first)
+
+
+def _manifest_uses_cfg_gt1(engine):
+    """Shared manifest logic: `uses_cfg` written `guidance > 1` instead of `!= 1` (both sides agree: guidance
+    below 1 silently drops CFG everywhere; only upstream tells)."""
+    from manifests.cosmos3.sampling import Cosmos3GenerateRequest
+    return _patched(Cosmos3GenerateRequest, "uses_cfg",
+                    lambda original: property(lambda self: self.guidance_scale > 1.0))
+
+
+def _batched_timestep_first(engine):
+    """Optimized side: a batched forward embeds every sample with the FIRST sample's timestep (harmless alone or
+    when the batch mates share a step; wrong for requests batched at different steps)."""
+    from optimized.models.cosmos3 import ops
+    return _patched(ops, "time_embedding", lambda original: lambda t, *a, **kw:
+                    original(t[:1].expand(t.shape[0]).contiguous(), *a, **kw))
+
+
 COSMOS3_C1_FAULTS = {
+    "ref-noise-order": _ref_noise_order,
+    "manifest-uses-cfg-gt1": _manifest_uses_cfg_gt1,
+    "batched-timestep-first": _batched_timestep_first,
     "rope-off-by-one-decode": _rope_off_by_one_decode,
     "wrong-flow-shift": _wrong_flow_shift,
     "swapped-cfg": _swapped_cfg,
@@ -221,6 +300,15 @@ FAULTS = (
     Fault("perturbed-weight", "one weight of layer 1's gen MLP nudged by 1e-2", "C0", "layers.1.gen"),
     Fault("rope-interleave", "mRoPE columns with the H and W axes swapped", "C0", "layers.0.gen"),
     Fault("timestep-on-cond", "timestep embedding also added to conditioned (clean) vision frames", "C0", "embed"),
+    Fault("ref-fps-one-row-action", "reference: fps modulation applied to a one-row action segment", "C0",
+          "packing: position_ids"),
+    Fault("ref-time-embed-bf16", "reference: timestep MLP run in bf16 instead of fp32", "C0", "time_embed"),
+    Fault("ref-noise-order", "reference: seeded noise drawn sound first (upstream: vision, sound, action)", "C1",
+          "initial latents differ"),
+    Fault("manifest-uses-cfg-gt1", "shared manifest: uses_cfg written guidance > 1 instead of != 1", "C1",
+          "upstream anchor gen_sound_seeded_g05"),
+    Fault("batched-timestep-first", "optimized: a batched forward embeds every sample with the first sample's "
+          "timestep", "C1", "layer embed (replayed batched call"),
     Fault("rope-off-by-one-decode", "AR decode rotates each new token one position late", "C1"),
     Fault("wrong-flow-shift", "optimized schedule applies flow_shift * 1.5", "C1"),
     Fault("swapped-cfg", "guidance combine with cond and uncond swapped", "C1"),
