@@ -11,6 +11,7 @@ from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest
 from reference.cosmos3.model import Cosmos3Transformer
+from reference.solvers.sde import FlowSDE, gaussian_logprob
 from reference.solvers.unipc import UniPCFlow
 
 
@@ -21,12 +22,19 @@ class GenerateResult:
     action: torch.Tensor | None = None             # [chunk, A], all channels
     trajectory: list[dict[str, torch.Tensor]] = field(default_factory=list)  # latents after each step
     timesteps: list[int] = field(default_factory=list)                      # what the model was fed
+    logprobs: dict[str, list] = field(default_factory=dict)  # SDE: per modality, per step (None on ODE steps)
+    noise: dict[str, list] = field(default_factory=dict)     # SDE: per modality, the draw of each SDE step
 
 
-def initial_latents(cfg: Cosmos3Config, req: Cosmos3GenerateRequest):
+MODALITY_INDEX = {"vision": 0, "sound": 1, "action": 2}
+
+
+def initial_latents(cfg: Cosmos3Config, req: Cosmos3GenerateRequest, gen: torch.Generator | None = None):
     """Noise drawn in upstream's order (vision, sound, action) from one CPU generator, mixed with the
-    conditioning: latents = mask * clean + (1 - mask) * noise. Explicit noise is used as given (upstream)."""
-    gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+    conditioning: latents = mask * clean + (1 - mask) * noise. Explicit noise is used as given (upstream).
+    `gen`: the request's generator when the caller keeps drawing from it (SDE steps); else a fresh one."""
+    if gen is None:
+        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
     shape = (1, cfg.latent_channels, req.latent_frames, req.latent_height, req.latent_width)
     vision_mask = torch.zeros(req.latent_frames, 1, 1)
     vision_mask[list(req.vision_condition_frames)] = 1.0
@@ -87,30 +95,65 @@ def predict_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3
     return v_vision, v_sound, v_action
 
 
+def guided_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3GenerateRequest, t: int, state):
+    """[vision, sound, action] velocities (None where absent) of one step: cond, and with CFG the uncond branch
+    combined in velocity space, fp32, one scale for every modality."""
+    v_c = predict_velocity(model, cfg, req, req.text_ids, t, *state)
+    if not req.uses_cfg:
+        return list(v_c)
+    v_u = predict_velocity(model, cfg, req, req.negative_text_ids, t, *state)
+    return [None if c is None else u + req.guidance_scale * (c - u) for c, u in zip(v_c, v_u)]
+
+
+def sde_advance(sde: FlowSDE, i: int, v: torch.Tensor, x: torch.Tensor, gen: torch.Generator,
+                zero_from: int | None = None):
+    """(x_next, logprob or None, noise or None) of one modality at step i. An SDE step draws one fp32 randn of
+    x's shape from the request's generator; channels >= zero_from are re-zeroed before the log-probability."""
+    if not sde.is_sde_step(i):  # outside the SDE window: an Euler ODE step, nothing drawn
+        x_next = sde.step(v, x, i, None)[0]
+        if zero_from is not None:
+            x_next[:, zero_from:] = 0
+        return x_next, None, None
+    noise = torch.randn(x.shape, generator=gen, dtype=torch.float32)
+    mean, std = sde.mean_and_std(v, x, i)
+    x_next = mean + std * noise
+    if zero_from is not None:  # padded action channels re-zeroed every step, before the log-probability
+        x_next[:, zero_from:] = 0
+    return x_next, gaussian_logprob(x_next, mean, std), noise
+
+
 def generate(model: Cosmos3Transformer, req: Cosmos3GenerateRequest, keep_trajectory: bool = False) -> GenerateResult:
     cfg = model.cfg
     req.validate(cfg)
-    vision, vision_mask, sound, action, action_mask = initial_latents(cfg, req)
+    gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+    vision, vision_mask, sound, action, action_mask = initial_latents(cfg, req, gen)
     # one scheduler per modality: UniPC keeps per-step history, so sound and action get their own (upstream)
     vision_sched = UniPCFlow(req.scheduler, req.num_steps)
     sound_sched = UniPCFlow(req.scheduler, req.num_steps) if sound is not None else None
     action_sched = UniPCFlow(req.scheduler, req.num_steps) if action is not None else None
     has_noisy_action = action_mask is not None and bool((action_mask == 0).any())
     result = GenerateResult(vision=vision)
+    sde = FlowSDE(req.sde, vision_sched.sigmas) if req.sde is not None else None  # the UniPC tables, SDE steps
 
     with torch.no_grad():
         for i, t in enumerate(vision_sched.timesteps.tolist()):
             state = (vision, vision_mask, sound, action, action_mask)
-            v_c = predict_velocity(model, cfg, req, req.text_ids, t, *state)
-            if req.uses_cfg:  # CFG in velocity space, fp32, one scale for every modality
-                v_u = predict_velocity(model, cfg, req, req.negative_text_ids, t, *state)
-                v = [None if c is None else u + req.guidance_scale * (c - u) for c, u in zip(v_c, v_u)]
+            v = guided_velocity(model, cfg, req, t, state)
+            if sde is not None:  # noise drawn per modality in order vision, sound, action
+                stepped = {"vision": vision, **({"sound": sound} if sound is not None else {}),
+                           **({"action": action} if action is not None and has_noisy_action else {})}
+                for m, x in stepped.items():
+                    zero_from = req.action.raw_action_dim if m == "action" else None
+                    x, lp, noise = sde_advance(sde, i, v[MODALITY_INDEX[m]], x, gen, zero_from)
+                    result.logprobs.setdefault(m, []).append(lp)
+                    result.noise.setdefault(m, []).append(noise)
+                    stepped[m] = x
+                vision, sound, action = stepped["vision"], stepped.get("sound", sound), stepped.get("action", action)
             else:
-                v = list(v_c)
-            vision = vision_sched.step(v[0], vision)
-            if sound is not None:
+                vision = vision_sched.step(v[0], vision)
+            if sound is not None and sde is None:
                 sound = sound_sched.step(v[1], sound)
-            if action is not None and has_noisy_action:
+            if action is not None and has_noisy_action and sde is None:
                 action = action_sched.step(v[2], action)
                 if req.action.raw_action_dim is not None:
                     action[:, req.action.raw_action_dim:] = 0  # padded action channels re-zeroed every step

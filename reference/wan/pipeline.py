@@ -22,6 +22,7 @@ from manifests.wan.model import WanModelConfig
 from manifests.wan.sampling import WanGenerateRequest
 from reference.solvers.euler import FlowMatchEuler
 from reference.solvers.guidance import cfg_combine
+from reference.solvers.sde import FlowSDE
 from reference.solvers.unipc import UniPCFlow
 from reference.wan.text_encoder import encode_prompts, load_umt5
 from reference.wan.transformer import load_wan_transformer
@@ -35,6 +36,8 @@ class WanGenerateResult:
     timesteps: list[int | float] = field(default_factory=list)    # model timestep of each step
     experts: list[int] = field(default_factory=list)        # 1 (`transformer`) or 2 (`transformer_2`) per step
     initial: torch.Tensor | None = None                     # the initial (noise) latents
+    logprobs: list = field(default_factory=list)            # SDE: one log-probability per step (None on ODE steps)
+    noise: list = field(default_factory=list)               # SDE: the standard-normal draw of each step (or None)
 
 
 @dataclass
@@ -81,11 +84,13 @@ class WanReferencePipeline:
             uncond = encode_prompts(self.text_encoder, [request.negative_text_ids.long()], L)
         return cond, uncond
 
-    def initial_latents(self, request: WanGenerateRequest) -> torch.Tensor:
+    def initial_latents(self, request: WanGenerateRequest, generator: torch.Generator | None = None) -> torch.Tensor:
+        """`generator`: the request's own when the caller keeps drawing from it (SDE steps); else a fresh one."""
         shape = (1, *request.latent_shape(self.cfg))
         if request.noise is not None:
             return request.noise.to(torch.float32)  # caller latents are cast to float32 (upstream)
-        generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+        if generator is None:
+            generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         return torch.randn(shape, generator=generator, dtype=torch.float32)  # randn_tensor on CPU (upstream)
 
     def encode_condition(self, request: WanGenerateRequest, latent_shape: tuple[int, ...]) -> ImageCondition:
@@ -129,6 +134,24 @@ class WanReferencePipeline:
         x = latents if condition is None else torch.cat([latents, condition.latents], dim=1)
         return x, t.expand(latents.shape[0])  # int64 (UniPC) or float32 (Euler) as the scheduler holds it (upstream)
 
+    def expert_at(self, t: torch.Tensor) -> int:
+        """1 (`transformer`) while t >= boundary_ratio * num_train_timesteps, else 2 (upstream)."""
+        if not self.cfg.two_experts:
+            return 1
+        return 1 if t >= self.cfg.boundary_ratio * self.cfg.num_train_timesteps else 2
+
+    def guided_velocity(self, request: WanGenerateRequest, latents: torch.Tensor, t: torch.Tensor, expert: int,
+                        text: torch.Tensor, negative_text: torch.Tensor | None, image_embeds: torch.Tensor | None,
+                        condition: ImageCondition | None) -> torch.Tensor:
+        """One step's velocity: cond, and with CFG the uncond branch combined (the expert's guidance scale)."""
+        model = self.transformer if expert == 1 else self.transformer_2
+        x, timestep = self.model_inputs(latents, t, condition)
+        velocity = model(x, timestep, text, image_embeds)
+        if request.uses_cfg:  # decided by guidance_scale alone, even when guidance_scale_2 applies (upstream)
+            velocity_uncond = model(x, timestep, negative_text, image_embeds)
+            velocity = cfg_combine(velocity, velocity_uncond, request.guidance_for_expert(expert))
+        return velocity
+
     # ---------------------------------------------------------------- the loop
 
     @torch.no_grad()
@@ -140,20 +163,23 @@ class WanReferencePipeline:
         if cfg.dit.has_image_branch:  # only the 2.1 I2V DiT takes CLIP image embeddings (upstream)
             image_embeds = request.image_embeds.to(torch.float32)[None]
         solver = self.make_solver(request)
-        latents = self.initial_latents(request)
+        generator = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
+        latents = self.initial_latents(request, generator)
+        sde = FlowSDE(request.sde, solver.sigmas) if request.sde is not None else None  # SDE on the solver's tables
         result = WanGenerateResult(latents=latents, initial=latents.clone())
         condition = self.encode_condition(request, tuple(latents.shape)) if request.image is not None else None
 
-        boundary = cfg.boundary_ratio * cfg.num_train_timesteps if cfg.two_experts else None
-        for t in solver.timesteps:
-            expert = 1 if boundary is None or t >= boundary else 2  # high-noise expert while t >= boundary (upstream)
-            model = self.transformer if expert == 1 else self.transformer_2
-            x, timestep = self.model_inputs(latents, t, condition)
-            velocity = model(x, timestep, text, image_embeds)
-            if request.uses_cfg:  # decided by guidance_scale alone, even when guidance_scale_2 applies (upstream)
-                velocity_uncond = model(x, timestep, negative_text, image_embeds)
-                velocity = cfg_combine(velocity, velocity_uncond, request.guidance_for_expert(expert))
-            latents = solver.step(velocity, latents)
+        for i, t in enumerate(solver.timesteps):
+            expert = self.expert_at(t)
+            velocity = self.guided_velocity(request, latents, t, expert, text, negative_text, image_embeds, condition)
+            if sde is not None:  # one fp32 randn of the latent shape per SDE step, from the request's generator
+                noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32) \
+                    if sde.is_sde_step(i) else None
+                latents, logprob = sde.step(velocity, latents, i, noise)
+                result.logprobs.append(logprob)
+                result.noise.append(noise)
+            else:
+                latents = solver.step(velocity, latents)
             result.timesteps.append(t.item())
             result.experts.append(expert)
             if keep_trajectory:

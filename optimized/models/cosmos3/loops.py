@@ -18,8 +18,10 @@ from manifests.cosmos3.sampling import Cosmos3GenerateRequest
 from optimized.models.cosmos3.model import Cosmos3Fast
 from optimized.runtime.cache import CacheKey
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+from optimized.solvers import sde as sde_solver
 from optimized.solvers import unipc
 from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
+from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_header, one_at_a_time
 
 MODALITIES = ("vision", "sound", "action")
 
@@ -28,6 +30,7 @@ MODALITIES = ("vision", "sound", "action")
 class DenoiseJob:
     request: Cosmos3GenerateRequest
     record_trajectory: bool = False
+    capture: CaptureSpec | None = None             # RL rollout: keep a BehaviorRecord (result["behavior"])
 
 
 @dataclass
@@ -42,6 +45,9 @@ class DenoiseState:
     step: int = 0
     trajectory: list[dict[str, torch.Tensor]] = field(default_factory=list)
     initial: dict[str, torch.Tensor] | None = None  # kept only when recording the trajectory
+    sde: sde_solver.SDEState | None = None          # SDE rollout steps (request.sde) instead of UniPC
+    generator: torch.Generator | None = None        # the request's own generator (SDE step noise comes from it)
+    recorder: BehaviorRecorder | None = None        # behavior capture (job.capture)
 
     @property
     def request(self) -> Cosmos3GenerateRequest:
@@ -74,21 +80,28 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
             self.cfg_policy.check(req.uses_cfg, req.guidance_scale)
         except ValueError as e:  # ManifestError included
             raise ValueError(str(e)) from None
-        latents, vision_keep, action_keep = self._initial_latents(req)
+        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+        latents, vision_keep, action_keep = self._initial_latents(req, gen)
         solvers, timesteps = {}, None
         for m in latents:
             solvers[m], timesteps = unipc.new_state(req.scheduler, req.num_steps)
+        sde = sde_solver.new_sde_state(req.sde, solvers["vision"].sigmas) if req.sde is not None else None
         texts = [req.text_ids] + ([req.negative_text_ids] if req.uses_cfg else [])
         keys = tuple(self.fast.und_cache_key(t) for t in texts)
         for k in keys:
             self.und_refcount[k] = self.und_refcount.get(k, 0) + 1
         initial = {m: t.clone() for m, t in latents.items()} if job.record_trajectory else None
+        recorder = None
+        if job.capture is not None:
+            stepped = {m: t for m, t in latents.items() if m != "action" or bool((action_keep > 0).any())}
+            header = behavior_header("cosmos3", self.loop_id, req, self.fast, self.cfg_policy.name, "unipc",
+                                     solvers["vision"].sigmas, timesteps, keys, job.capture)
+            recorder = BehaviorRecorder.start(job.capture, header, stepped, len(timesteps))
         return DenoiseState(job, timesteps.tolist(), latents, solvers, vision_keep, action_keep, und_keys=keys,
-                            initial=initial)
+                            initial=initial, sde=sde, generator=gen, recorder=recorder)
 
-    def _initial_latents(self, req: Cosmos3GenerateRequest):
+    def _initial_latents(self, req: Cosmos3GenerateRequest, g: torch.Generator | None):
         cfg = self.fast.cfg
-        g = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
         T, H, W = req.latent_frames, req.latent_height, req.latent_width
         keep = torch.ones(T, 1, 1)
         keep[list(req.vision_condition_frames)] = 0.0
@@ -170,12 +183,18 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
                 v["action"][:, s.request.action.raw_action_dim:] = 0
         return v
 
-    def run_step(self, states: Sequence[DenoiseState], plans: Sequence[WorkPlan]) -> list[DenoiseState]:
+    def guided_velocities(self, states: Sequence[DenoiseState], one_by_one: bool = False
+                          ) -> list[dict[str, torch.Tensor]]:
+        """Every state's fp32 velocities at its current step (masked, CFG-combined), from one or two batched
+        forwards; one forward per input, in order, when `one_by_one` or a request asks for batch invariance."""
         cond = [self._inputs(s, s.request.text_ids, s.timesteps[s.step]) for s in states]
         guided = [s for s in states if s.request.uses_cfg]
         uncond = [self._inputs(s, s.request.negative_text_ids, s.timesteps[s.step]) for s in guided]
+        forward = self.fast.forward_batch
+        if one_by_one or any(s.job.capture is not None and s.job.capture.batch_invariant for s in states):
+            forward = one_at_a_time(forward)
         with torch.no_grad():
-            cond_preds, uncond_preds = self.cfg_policy.run(self.fast.forward_batch, cond, uncond)
+            cond_preds, uncond_preds = self.cfg_policy.run(forward, cond, uncond)
         uncond_by_state = dict(zip(map(id, guided), uncond_preds))
         out = []
         for s, pc in zip(states, cond_preds):
@@ -183,6 +202,41 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
             if id(s) in uncond_by_state:
                 vu = self._velocities(s, uncond_by_state[id(s)])
                 v = {m: cfg_combine(v[m], vu[m], s.request.guidance_scale) for m in v}
+            out.append(v)
+        return out
+
+    def _sde_advance(self, s: DenoiseState, v: dict[str, torch.Tensor]):
+        """One SDE (or windowed-ODE) step of every stepped modality; noise drawn in order vision, sound, action
+        from the request's generator. Returns (latents, sde state, logprobs, noise) by modality."""
+        latents, logprobs, noise, new_sde = dict(s.latents), {}, {}, s.sde
+        for m in MODALITIES:
+            if m not in latents or (m == "action" and not bool((s.action_keep > 0).any())):
+                continue
+            draw = torch.randn(latents[m].shape, generator=s.generator, dtype=torch.float32) if s.sde.is_sde \
+                else None
+            zero_from = s.request.action.raw_action_dim if m == "action" else None
+            new_sde, out = sde_solver.sde_step(s.sde, v[m], latents[m], draw, zero_from)
+            latents[m], logprobs[m], noise[m] = out.x_next, out.logprob, draw
+        return latents, new_sde, logprobs, noise
+
+    def run_step(self, states: Sequence[DenoiseState], plans: Sequence[WorkPlan]) -> list[DenoiseState]:
+        out = []
+        velocities = self.guided_velocities(states)
+        for p in plans:  # trace.step says how the body ran: graph (eager/compiled/replayed), bucket, graph_cache
+            p.info.update(self.fast.last_step_info)
+        for s, v in zip(states, velocities):
+            if s.sde is not None:
+                latents, sde, logprobs, noise = self._sde_advance(s, v)
+                s = replace(s, latents=latents, sde=sde, step=s.step + 1)
+                if s.job.record_trajectory:
+                    s.trajectory = s.trajectory + [{m: t.clone() for m, t in latents.items()}]
+                if s.recorder is not None:
+                    i = s.step - 1
+                    s.recorder = s.recorder.step(i, float(s.timesteps[i]), float(sde.sigmas[i]),
+                                                 float(sde.sigmas[i + 1]), i in s.recorder.header["sde_steps"],
+                                                 logprobs, noise, latents, len(states))
+                out.append(s)
+                continue
             latents, solvers = dict(s.latents), dict(s.solvers)
             for m in latents:
                 if m == "action" and not bool((s.action_keep > 0).any()):
@@ -193,15 +247,26 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
             s = replace(s, latents=latents, solvers=solvers, step=s.step + 1)
             if s.job.record_trajectory:
                 s.trajectory = s.trajectory + [{m: t.clone() for m, t in latents.items()}]
+            if s.recorder is not None:  # an ODE rollout: tables, seeds and latents, no logprobs
+                i, sig = s.step - 1, s.solvers["vision"].sigmas
+                s.recorder = s.recorder.step(i, float(s.timesteps[i]), float(sig[i]), float(sig[i + 1]), False, {},
+                                             {}, latents, len(states))
             out.append(s)
         return out
+
+    def step_output(self, s: DenoiseState, plan: WorkPlan):
+        """A rollout streams each step's capture (kind "rollout.step") as the step's output."""
+        return None if s.recorder is None else s.recorder.last
 
     def is_done(self, s: DenoiseState) -> bool:
         return s.step >= len(s.timesteps)
 
     def finalize(self, s: DenoiseState) -> dict:
-        return {"latents": dict(s.latents), "trajectory": s.trajectory, "initial": s.initial,
-                "timesteps": s.timesteps[: s.step]}
+        out = {"latents": dict(s.latents), "trajectory": s.trajectory, "initial": s.initial,
+               "timesteps": s.timesteps[: s.step]}
+        if s.recorder is not None:
+            out["behavior"] = s.recorder.record(s.latents)
+        return out
 
     def release(self, s: DenoiseState) -> None:
         """Drop this request's hold on its und-stream cache entries. A cancelled (or failed) request's entries

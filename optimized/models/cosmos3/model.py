@@ -6,9 +6,14 @@ timesteps; one CFG branch each) as two flat token streams:
   U: the text tokens of every distinct prompt whose und keys/values are not cached (causal per prompt);
   G: the generation tokens of every sample (vision | sound | action per sample, back to back).
 
-Projections, norms and MLPs run once over each flat stream (fused QKV / gate-up weights); attention
-runs per sample with SDPA (und: causal over its own text; gen: its own text keys + its own gen keys,
-non-causal; GQA via `enable_gqa`, K/V never repeated). The und stream depends only on the text ids,
+Projections, norms and MLPs run once over each stream (fused QKV / gate-up weights); attention is ONE call per
+layer through `optimized.attention.attend` on the padded batch (und: causal over its own text; gen: its own text
+keys + its own gen keys, non-causal, pad keys masked; GQA via `enable_gqa`, K/V never repeated).
+
+The gen stream is capture-safe: everything host-side about a batch's layout (packing, position ids / RoPE tables,
+timestep rows, masks, gather rows) is built once per layout into a cached `BatchGeometry` on the device, padded to
+the family's shape buckets; the step body `gen_body` then has static shapes per bucket and no host sync, and runs
+eager, compiled or captured through a `CompileCache` (optimized/runtime/compile.py). The und stream depends only on the text ids,
 so its per-layer (k_for_gen, v) after RoPE are cached in a `CacheStore` under a structured
 `CacheKey`; on a hit the und pathway is skipped entirely.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -27,15 +33,38 @@ import torch.nn.functional as F
 from manifests.cosmos3.config import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 
+from optimized.attention import attend, check_backend, key_padding_mask
 from optimized.models.cosmos3 import ops, packing
-from optimized.models.cosmos3.packing import PackedLayout
 from optimized.models.cosmos3.spec import (
     MODEL_ID, TRANSFORMER, UND_KV_CONTRACT_VERSION, cosmos3_model_spec,
 )
 from optimized.runtime.cache import CacheKey, CacheStore, content_hash, state_dict_hash
+from optimized.runtime.compile import GRAPH_MODES, CompileCache, GraphKey, ShapeBuckets
 from optimized.runtime.spec import apply_load_transforms
 
 Trace = Callable[[int, str, torch.Tensor], None]
+GEOMETRY_CACHE_ENTRIES = 64   # batch layouts kept on the device (a few KB each at tiny sizes)
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """A flat stream of `batch` sequences as a padded [batch, length] view: `pad_index` [batch*length] flat rows (pad
+    slots repeat the sequence's last row), `unpad_index` [sum lens] padded slots, `key_mask` [batch, 1, 1, length]."""
+    batch: int
+    length: int
+    pad_index: torch.Tensor
+    unpad_index: torch.Tensor
+    key_mask: torch.Tensor
+
+
+def ragged(lens: list[int], device: torch.device) -> Ragged:
+    B, Lm = len(lens), max(lens)
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    pad = torch.tensor([a + min(j, n - 1) for a, n in zip(starts, lens) for j in range(Lm)])
+    unpad = torch.tensor([s * Lm + j for s, n in enumerate(lens) for j in range(n)])
+    return Ragged(B, Lm, pad.to(device), unpad.to(device), key_padding_mask([(n, 0) for n in lens], Lm, 0, device))
 
 
 @dataclass
@@ -98,6 +127,15 @@ class Cosmos3Fast:
         self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, device=self.device)
         cfg_json = json.dumps(cfg.to_dict(), sort_keys=True)
         self._cfg_hash = hashlib.sha256(cfg_json.encode()).hexdigest()[:16]
+        # the step body's graph: mode, attention backend, shape buckets, names in every GraphKey (configure_graph)
+        self.graph_mode, self.attention, self.buckets = "eager", "auto", packing.COSMOS3_BUCKETS
+        self.cfg_policy_name, self.variant_name = "any", f"cfg-{self._cfg_hash}"
+        self.graph_cache = CompileCache()
+        self.row_block = 1024 if self.device.type == "cpu" else 0  # row-local work in cache-resident row blocks
+        self.mask_pad = True        # False only as a negative control (a bucket padded without masking the pad)
+        self.last_step_info: dict[str, str] = {}
+        self._geometries: OrderedDict[tuple, packing.BatchGeometry] = OrderedDict()
+        self._text_kv_memo: OrderedDict[tuple, tuple] = OrderedDict()
 
     def _path(self, i: int, path: str) -> PathWeights:
         p, g = f"layers.{i}.{path}.", self.params.get
@@ -117,6 +155,9 @@ class Cosmos3Fast:
 
     def _mlp(self, x: torch.Tensor, w: PathWeights) -> torch.Tensor:
         fn = ops.mlp_relu2 if self.cfg.hidden_act == "relu2" else ops.mlp_silu
+        rows = self.row_block
+        if rows and x.shape[0] > rows:  # row blocks keep the [rows, I] intermediate cache-resident (rows independent)
+            return torch.cat([fn(self._norm(c, w.mlp_norm), w.mlp_in, w.mlp_down) for c in x.split(rows)])
         return fn(self._norm(x, w.mlp_norm), w.mlp_in, w.mlp_down)
 
     def _qkv(self, x: torch.Tensor, w: PathWeights):
@@ -153,16 +194,19 @@ class Cosmos3Fast:
         """Drop this model's entries (call after editing weights in place)."""
         return self.und_cache.evict_where(lambda k: k.weights_version == self.weights_version)
 
-    def _und_layer(self, x: torch.Tensor, w: PathWeights, bounds: list[int], cos: torch.Tensor, sin: torch.Tensor):
-        """One und layer over a flat text stream (prompts at `bounds`, causal within each).
-        Returns (new hidden, keys after RoPE, keys-for-gen after RoPE, values)."""
+    def _und_layer(self, x: torch.Tensor, w: PathWeights, rag: "Ragged", cos: torch.Tensor, sin: torch.Tensor):
+        """One und layer over a flat text stream of several prompts (`rag`: their padded batch view; causal within
+        each). Returns (new hidden, keys after RoPE, keys-for-gen after RoPE, values)."""
         q, k, v = self._qkv(x, w)
         if w.q_norm is not None:
             q, k = self._norm(q, w.q_norm), self._norm(k, w.k_norm)
         k4g = self._norm(k, w.k_norm_for_gen) if w.k_norm_for_gen is not None else None
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         k4g = k if k4g is None else ops.apply_rope(k4g, cos, sin)
-        o = torch.cat([self._attend(q[a:b], k[a:b], v[a:b], causal=True) for a, b in zip(bounds[:-1], bounds[1:])])
+        B, Lm = rag.batch, rag.length
+        pad = lambda t: t[rag.pad_index].view(B, Lm, t.shape[1], -1).transpose(1, 2)  # noqa: E731
+        o = attend(pad(q), pad(k), pad(v), key_mask=rag.key_mask, causal=True, backend=self.attention)
+        o = o.transpose(1, 2).reshape(B * Lm, -1)[rag.unpad_index]
         x = x + F.linear(o, w.o_w, w.o_b)
         return x + self._mlp(x, w), k, k4g, v
 
@@ -172,12 +216,13 @@ class Cosmos3Fast:
         K, d] and, when tracing, the per-layer hidden states."""
         lens = [t.numel() for t in texts]
         bounds = torch.tensor([0] + lens).cumsum(0).tolist()
+        rag = ragged(lens, self.device)
         x = F.embedding(torch.cat(texts).to(self.device), self.params["embed_tokens.weight"])
         pos = torch.cat([packing.text_position_ids(n, self.cfg.enable_fps_modulation) for n in lens], dim=1)
         cos, sin = self._rope_tables(pos, axis)
         ks, k4gs, vs, hidden = [], [], [], []
         for layer in self.layers:
-            x, k, k4g, v = self._und_layer(x, layer["und"], bounds, cos, sin)
+            x, k, k4g, v = self._und_layer(x, layer["und"], rag, cos, sin)
             ks.append(k)
             k4gs.append(k4g)
             vs.append(v)
@@ -228,98 +273,163 @@ class Cosmos3Fast:
                     status[s] = "miss" if use_cache else "off"
         return [resolved[k] for k in keys], traces, status
 
-    # ------------------------------------------------------------------ gen stream
+    # ------------------------------------------------------------------ gen stream (padded batch, static per bucket)
+    def configure_graph(self, mode: str = "eager", *, attention: str | None = None,
+                        buckets: ShapeBuckets | None = None, cfg_policy: str | None = None,
+                        variant: str | None = None) -> "Cosmos3Fast":
+        """How the gen step body runs: "eager", "compile" (torch.compile per bucket) or "cuda" (captured CUDA graph
+        per bucket); the attention backend, the shape buckets and the names that go into every GraphKey."""
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graph mode must be one of {GRAPH_MODES}, got {mode!r}")
+        self.graph_mode = mode
+        self.attention = check_backend(attention or self.attention)
+        self.buckets = buckets or self.buckets
+        self.cfg_policy_name = cfg_policy or self.cfg_policy_name
+        self.variant_name = variant or self.variant_name
+        self._geometries.clear()
+        return self
+
+    def graph_key(self, geo: packing.BatchGeometry) -> GraphKey:
+        return GraphKey(family="cosmos3", variant=self.variant_name, weights_version=self.weights_version,
+                        dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), bucket=geo.bucket,
+                        batch_size=geo.batch, cfg_policy=self.cfg_policy_name, attention=self.attention,
+                        mode=self.graph_mode)
+
+    def _geometry(self, inputs: Sequence[Cosmos3ForwardInputs], axis: torch.Tensor) -> packing.BatchGeometry:
+        """The batch's padded layout, built once per (sample signatures, buckets) and cached. The functions that
+        build it are part of the key: a planted fault (a monkeypatched builder) never reuses a clean geometry."""
+        key = (tuple(packing.sample_signature(x) for x in inputs), self.buckets, self.mask_pad,
+               ops.mrope_axis_of_column, ops.rope_cos_sin, packing.timestep_embedding_rows, packing.pack_layout)
+        geo = self._geometries.get(key)
+        if geo is None:
+            layouts = [packing.pack_layout(self.cfg, x) for x in inputs]
+            geo = packing.build_geometry(layouts, self.buckets, lambda pos: self._rope_tables(pos, axis),
+                                         self.device, self.dtype, mask_pad=self.mask_pad)
+            self._geometries[key] = geo
+            while len(self._geometries) > GEOMETRY_CACHE_ENTRIES:
+                self._geometries.popitem(last=False)
+        else:
+            self._geometries.move_to_end(key)
+        return geo
+
+    def _text_kv(self, und: list[UndKV], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer text K/V of the batch padded to T: [layers, B, T, K, d] each. Memoised on the identity of the
+        UndKV entries (the same prompts step after step reuse one padded copy)."""
+        key = (tuple(id(u) for u in und), T)
+        hit = self._text_kv_memo.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], und)):
+            self._text_kv_memo.move_to_end(key)
+            return hit[1], hit[2]
+        nl, _, K, d = und[0].k.shape
+        kk = und[0].k.new_zeros(nl, len(und), T, K, d)
+        vv = und[0].v.new_zeros(nl, len(und), T, K, d)
+        for s, u in enumerate(und):
+            kk[:, s, :u.k.shape[1]] = u.k
+            vv[:, s, :u.v.shape[1]] = u.v
+        self._text_kv_memo[key] = (list(und), kk, vv)
+        while len(self._text_kv_memo) > 4:
+            self._text_kv_memo.popitem(last=False)
+        return kk, vv
+
     def _action_linear(self, x: torch.Tensor, name: str, dom: int, n_in: int, n_out: int) -> torch.Tensor:
         """DomainAwareLinear: row `dom` of the weight reshaped to [in, out]; y = x @ W + b, as one
         vector-matrix product per row (bmm over a stride-0 weight: upstream's per-token rounding)."""
         w = self.params[f"{name}.weight"][dom].view(n_in, n_out)
         return torch.bmm(x[:, None], w.expand(x.shape[0], n_in, n_out))[:, 0] + self.params[f"{name}.bias"][dom]
 
-    def _embed_gen(self, inputs: Sequence[Cosmos3ForwardInputs], layouts: list[PackedLayout],
-                   starts: list[int]) -> torch.Tensor:
+    def _embed_gen(self, inputs: Sequence[Cosmos3ForwardInputs], geo: packing.BatchGeometry) -> torch.Tensor:
+        """The padded gen stream [B*N, D]: modality embeddings at their rows, pad rows zero, the timestep embedding
+        added on the geometry's timestep rows."""
         cfg, P, dev, dt = self.cfg, self.params, self.device, self.dtype
         D = cfg.hidden_size
-        G = torch.empty(starts[-1], D, device=dev, dtype=dt)
+        G = torch.zeros(geo.batch * geo.gen_pad, D, device=dev, dtype=dt)
         vis = torch.cat([ops.patchify(x.vision_latents.to(dev, dt), cfg.patch_size) for x in inputs])
-        vis = F.linear(vis, P["vision_in.weight"], P["vision_in.bias"])
-        snd_items = [x.sound_latents.to(dev, dt).T for x in inputs if x.sound_latents is not None]
-        if snd_items:
-            snd = F.linear(torch.cat(snd_items), P["sound_in.weight"], P["sound_in.bias"]) + P["sound_modality_embed"]
-        v0 = s0 = 0
-        for x, lay, g in zip(inputs, layouts, starts):
-            nv, ns, na = lay.num_vision_tokens, lay.num_sound_tokens, lay.num_action_tokens
-            G[g:g + nv] = vis[v0:v0 + nv]
-            if ns:
-                G[g + nv:g + nv + ns] = snd[s0:s0 + ns]
-            if na:
+        G[geo.vision_rows] = F.linear(vis, P["vision_in.weight"], P["vision_in.bias"])
+        if geo.sound_rows is not None:
+            snd = torch.cat([x.sound_latents.to(dev, dt).T for x in inputs if x.sound_latents is not None])
+            G[geo.sound_rows] = F.linear(snd, P["sound_in.weight"], P["sound_in.bias"]) + P["sound_modality_embed"]
+        for x, rows in zip(inputs, geo.action_rows):
+            if rows is not None:
                 a = self._action_linear(x.action_latents.to(dev, dt), "action_in", x.action_domain_id,
                                         cfg.action_dim, D)
-                G[g + nv + ns:g + nv + ns + na] = a + P["action_modality_embed"]
-            v0, s0 = v0 + nv, s0 + ns
+                G[rows] = a + P["action_modality_embed"]
         # timestep embedding: fp32 sinusoid + fp32 MLP per sample, cast, added to the chosen rows only
         t = torch.tensor([float(x.timestep) for x in inputs], dtype=torch.float32, device=dev) * cfg.timestep_scale
         temb = ops.time_embedding(t, P["time_embed.linear_1.weight"], P["time_embed.linear_1.bias"],
                                   P["time_embed.linear_2.weight"], P["time_embed.linear_2.bias"], dt)
-        rows, owner = [], []
-        for s, (lay, g) in enumerate(zip(layouts, starts)):
-            r = packing.timestep_embedding_rows(lay) - lay.text_len + g
-            rows.append(r)
-            owner.append(torch.full_like(r, s))
-        rows_t = torch.cat(rows).to(dev)
-        G.index_add_(0, rows_t, temb[torch.cat(owner).to(dev)])
+        G.view(geo.batch, geo.gen_pad, D).add_(geo.timestep_mask * temb[:, None])
         return G
 
-    def _gen_layer(self, x: torch.Tensor, w: PathWeights, text_kv: list[tuple[torch.Tensor, torch.Tensor]],
-                   bounds: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One gen layer over the flat gen stream (samples at `bounds`); sample s attends, non-causally,
-        to its own text keys/values `text_kv[s]` and its own gen tokens."""
+    def _gen_layer(self, x: torch.Tensor, w: PathWeights, tk: torch.Tensor, tv: torch.Tensor,
+                   key_mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One gen layer over the padded gen stream x [B*N, D]; sample b attends, non-causally, to its text keys
+        tk/tv[b] [T, K, d] and its own gen tokens (pad keys masked by `key_mask`). One attention call per layer."""
+        cfg = self.cfg
+        H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        B = tk.shape[0]
+        N = x.shape[0] // B
+        blocks = self._row_blocks(x.shape[0])
+        if blocks:  # row-local work in cache-resident row blocks (rows are independent outside attention)
+            q, k, v = (torch.cat(t) for t in zip(*(self._gen_qkv(x[a:b], w, cos[a:b], sin[a:b]) for a, b in blocks)))
+        else:
+            q, k, v = self._gen_qkv(x, w, cos, sin)
+        keys = torch.cat([tk, k.view(B, N, K, d)], 1).transpose(1, 2)
+        values = torch.cat([tv, v.view(B, N, K, d)], 1).transpose(1, 2)
+        o = attend(q.view(B, N, H, d).transpose(1, 2), keys, values, key_mask=key_mask, backend=self.attention)
+        o = o.transpose(1, 2).reshape(B * N, H * d)
+        if blocks:
+            return torch.cat([self._gen_out(x[a:b], o[a:b], w) for a, b in blocks])
+        return self._gen_out(x, o, w)
+
+    def _row_blocks(self, n: int) -> list[tuple[int, int]]:
+        r = self.row_block
+        return [(a, min(a + r, n)) for a in range(0, n, r)] if r and n > r else []
+
+    def _gen_qkv(self, x: torch.Tensor, w: PathWeights, cos: torch.Tensor, sin: torch.Tensor):
         q, k, v = self._qkv(x, w)
-        q = ops.apply_rope(self._norm(q, w.q_norm), cos, sin)
-        k = ops.apply_rope(self._norm(k, w.k_norm), cos, sin)
-        outs = []
-        for (tk, tv), a, b in zip(text_kv, bounds[:-1], bounds[1:]):
-            outs.append(self._attend(q[a:b], torch.cat([tk, k[a:b]]), torch.cat([tv, v[a:b]]), causal=False))
-        x = x + F.linear(torch.cat(outs), w.o_w, w.o_b)
+        return ops.apply_rope(self._norm(q, w.q_norm), cos, sin), ops.apply_rope(self._norm(k, w.k_norm), cos, sin), v
+
+    def _gen_out(self, x: torch.Tensor, o: torch.Tensor, w: PathWeights) -> torch.Tensor:
+        x = x + F.linear(o, w.o_w, w.o_b)
         return x + self._mlp(x, w)
 
+    def gen_body(self, G: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tensor, key_mask: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
+        """The step body: every gen layer and the final norm on static per-bucket shapes, no host sync (what
+        `CompileCache` compiles or captures). G [B*N, D]; text_k/v [layers, B, T, K, d]."""
+        for li, layer in enumerate(self.layers):
+            G = self._gen_layer(G, layer["gen"], text_k[li], text_v[li], key_mask, cos, sin)
+        return (self._norm(G, self.params["gen_norm.weight"]),)
+
     # ------------------------------------------------------------------ decode
-    def _decode(self, h: torch.Tensor, inputs: Sequence[Cosmos3ForwardInputs], layouts: list[PackedLayout],
-                starts: list[int]) -> list[Cosmos3Prediction]:
+    def _decode(self, h: torch.Tensor, inputs: Sequence[Cosmos3ForwardInputs],
+                geo: packing.BatchGeometry) -> list[Cosmos3Prediction]:
         cfg, P = self.cfg, self.params
         C, p = cfg.latent_channels, cfg.patch_size
-
-        def local(idx: torch.Tensor, lay: PackedLayout, g: int) -> torch.Tensor:
-            return (idx - lay.text_len + g).to(self.device)
-
-        vis_rows = torch.cat([local(l.vision_mse_loss_indexes, l, g) for l, g in zip(layouts, starts)])
-        vis = F.linear(h[vis_rows], P["vision_out.weight"], P["vision_out.bias"])
-        has_sound = [l.sound_mse_loss_indexes is not None for l in layouts]
-        if any(has_sound):
-            snd_rows = torch.cat([local(l.sound_mse_loss_indexes, l, g)
-                                  for l, g, hs in zip(layouts, starts, has_sound) if hs])
-            snd = F.linear(h[snd_rows], P["sound_out.weight"], P["sound_out.bias"])
+        vis = F.linear(h[geo.vision_out_rows], P["vision_out.weight"], P["vision_out.bias"])
+        if geo.sound_out_rows is not None:
+            snd = F.linear(h[geo.sound_out_rows], P["sound_out.weight"], P["sound_out.bias"])
         preds, v0, s0 = [], 0, 0
-        for x, lay, g in zip(inputs, layouts, starts):
+        for s, (x, lay) in enumerate(zip(inputs, geo.layouts)):
             T, gh, gw = lay.vision_grid
             H, W = lay.vision_latent_hw
-            noisy = lay.vision_noisy_frames.to(self.device)
-            n = noisy.numel() * gh * gw
+            n_noisy = lay.vision_noisy_frames.numel()
+            n = n_noisy * gh * gw
             vision = h.new_zeros(1, C, T, H, W)
             if n:
-                vision[0, :, noisy] = ops.unpatchify(vis[v0:v0 + n], (noisy.numel(), gh, gw), p, C, H, W)
+                vision[0, :, geo.noisy_frames[s]] = ops.unpatchify(vis[v0:v0 + n], (n_noisy, gh, gw), p, C, H, W)
             v0 += n
             sound = action = None
             if lay.sound_mse_loss_indexes is not None:
                 ns = lay.sound_mse_loss_indexes.numel()
                 sound = h.new_zeros(cfg.sound_dim, lay.num_sound_tokens)
-                sound[:, lay.sound_noisy_frames.to(self.device)] = snd[s0:s0 + ns].T
+                sound[:, geo.sound_noisy[s]] = snd[s0:s0 + ns].T
                 s0 += ns
             if lay.action_mse_loss_indexes is not None:
                 action = h.new_zeros(lay.num_action_tokens, cfg.action_dim)
-                if lay.action_mse_loss_indexes.numel():
-                    rows = h[local(lay.action_mse_loss_indexes, lay, g)]
-                    action[lay.action_noisy_frames.to(self.device)] = self._action_linear(
-                        rows, "action_out", x.action_domain_id, cfg.hidden_size, cfg.action_dim)
+                if geo.action_out_rows[s] is not None:
+                    action[geo.action_noisy[s]] = self._action_linear(
+                        h[geo.action_out_rows[s]], "action_out", x.action_domain_id, cfg.hidden_size, cfg.action_dim)
             preds.append(Cosmos3Prediction(vision=vision, sound=sound, action=action))
         return preds
 
@@ -327,36 +437,43 @@ class Cosmos3Fast:
     @torch.inference_mode()
     def forward_batch(self, inputs: Sequence[Cosmos3ForwardInputs], trace: Trace | None = None, *,
                       use_und_cache: bool | None = None) -> list[Cosmos3Prediction]:
-        """Run several packed samples (one CFG branch each) in one call; returns one prediction each."""
+        """Run several packed samples (one CFG branch each) in one call; returns one prediction each. The
+        layers run as one padded batch through the step body of this bucket (eager / compiled / replayed per
+        `configure_graph`; a traced call always runs eager, layer by layer). `last_step_info` says which."""
         if not inputs:
             return []
         cfg = self.cfg
+        for x in inputs:
+            x.validate(cfg)
         use_cache = self.use_und_cache if use_und_cache is None else use_und_cache
-        layouts = [packing.pack_layout(cfg, x) for x in inputs]
         axis = ops.mrope_axis_of_column(cfg.head_dim // 2, cfg.rope_axes_dim)
         self.stats.forward_calls += 1
         self.stats.samples += len(inputs)
 
         und, und_traces, und_status = self._und_kv(inputs, axis, use_cache, want_trace=trace is not None)
-        starts = torch.tensor([0] + [l.gen_len for l in layouts]).cumsum(0).tolist()
-        G = self._embed_gen(inputs, layouts, starts)
-        gen_pos = torch.cat([l.position_ids[:, l.text_len:] for l in layouts], dim=1)
-        cos, sin = self._rope_tables(gen_pos, axis)
-        spans = list(zip(starts[:-1], starts[1:]))
+        geo = self._geometry(inputs, axis)
+        G = self._embed_gen(inputs, geo)
+        text_k, text_v = self._text_kv(und, geo.text_pad)
+        spans = [geo.rows(s) for s in range(geo.batch)]
 
-        if trace is not None:
+        if trace is None:
+            args = (G, text_k, text_v, geo.key_mask, geo.cos, geo.sin)
+            runner, info = self.graph_cache.step(self.graph_key(geo), self.gen_body, args)
+            (G,) = runner(*args)
+            self.last_step_info = info.as_dict()
+        else:
             emb = self.params["embed_tokens.weight"]
             for s, (x, (a, b)) in enumerate(zip(inputs, spans)):
                 trace(s, "embed", torch.cat([F.embedding(x.text_ids.to(self.device), emb), G[a:b]]))
-        for li, layer in enumerate(self.layers):
-            G = self._gen_layer(G, layer["gen"], [(u.k[li], u.v[li]) for u in und], starts, cos, sin)
-            if trace is not None:
+            for li, layer in enumerate(self.layers):
+                G = self._gen_layer(G, layer["gen"], text_k[li], text_v[li], geo.key_mask, geo.cos, geo.sin)
                 for s, (a, b) in enumerate(spans):
                     if und_traces[s] is not None:
                         trace(s, f"layers.{li}.und", und_traces[s][li])
                     trace(s, f"layers.{li}.gen", G[a:b])
-        G = self._norm(G, self.params["gen_norm.weight"])
-        preds = self._decode(G, inputs, layouts, starts)
+            G = self._norm(G, self.params["gen_norm.weight"])
+            self.last_step_info = {"graph": "eager", "bucket": geo.bucket, "graph_cache": "traced"}
+        preds = self._decode(G, inputs, geo)
         for pr, st in zip(preds, und_status):
             pr.extras["und_cache"] = st
         if trace is not None:
@@ -380,8 +497,8 @@ class Cosmos3Fast:
         layer = self.layers[index]
         u = und_hidden.to(self.device, self.dtype)
         g = gen_hidden.to(self.device, self.dtype)
-        u, _, k4g, v = self._und_layer(u, layer["und"], [0, n], cos[:n], sin[:n])
-        g = self._gen_layer(g, layer["gen"], [(k4g, v)], [0, g.shape[0]], cos[n:], sin[n:])
+        u, _, k4g, v = self._und_layer(u, layer["und"], ragged([n], self.device), cos[:n], sin[:n])
+        g = self._gen_layer(g, layer["gen"], k4g[None], v[None], None, cos[n:], sin[n:])
         return u, g
 
     def forward(self, inputs: Cosmos3ForwardInputs, trace: Trace | None = None, **kw) -> Cosmos3Prediction:

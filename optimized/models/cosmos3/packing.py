@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from manifests.cosmos3.config import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs
+from optimized.runtime.compile import ShapeBuckets
 
 
 @dataclass(frozen=True)
@@ -147,3 +149,90 @@ def timestep_embedding_rows(layout: PackedLayout) -> torch.Tensor:
     if layout.action_mse_loss_indexes is not None and layout.action_mse_loss_indexes.numel() > 0:
         rows.append(layout.action_mse_loss_indexes)
     return torch.cat(rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# Batch geometry: everything host-side about a batch's layout, built once per layout and kept on the device
+# ------------------------------------------------------------------------------------------------
+
+# Shape buckets of the gen stream (the padded batch the step body runs on): per-sample text keys padded to a
+# multiple of 16, gen tokens to a multiple of 64 (a 960-token 720p-class sample is exactly one bucket).
+COSMOS3_BUCKETS = ShapeBuckets(multiple={"text": 16, "gen": 64})
+
+
+def sample_signature(x: Cosmos3ForwardInputs) -> tuple:
+    """Everything `pack_layout` reads from one sample (two samples with equal signatures pack identically)."""
+    snd = None if x.sound_latents is None else tuple(x.sound_latents.shape)
+    act = None if x.action_latents is None else tuple(x.action_latents.shape)
+    return (x.text_ids.numel(), tuple(x.vision_latents.shape), tuple(x.vision_condition_frames), float(x.fps_vision),
+            snd, None if snd is None else x.fps_sound, act, tuple(x.action_condition_rows))
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """The padded gen-stream layout of one batch: sample s owns flat rows [s*N, s*N + gen_len[s]) of a [B*N, D]
+    stream and keys [text (padded to T) | gen (padded to N)]. Every tensor is on the model's device."""
+
+    layouts: tuple[PackedLayout, ...]
+    batch: int
+    text_pad: int                       # T
+    gen_pad: int                        # N
+    key_mask: torch.Tensor              # [B, 1, 1, T + N] bool: real keys
+    cos: torch.Tensor                   # [B*N, head_dim] gen-token RoPE (pad rows: position 0)
+    sin: torch.Tensor
+    timestep_mask: torch.Tensor         # [B, N, 1]: 1 on rows that receive the timestep embedding
+    vision_rows: torch.Tensor           # flat rows of every sample's vision tokens, in sample order
+    sound_rows: torch.Tensor | None
+    vision_out_rows: torch.Tensor       # flat rows of the predicted (noisy) vision tokens, in sample order
+    sound_out_rows: torch.Tensor | None
+    action_rows: tuple[torch.Tensor | None, ...]      # per sample: flat rows of its action tokens
+    action_out_rows: tuple[torch.Tensor | None, ...]  # per sample: flat rows of its noisy action tokens
+    noisy_frames: tuple[torch.Tensor, ...]            # per sample: vision noisy frame ids (device)
+    sound_noisy: tuple[torch.Tensor | None, ...]
+    action_noisy: tuple[torch.Tensor | None, ...]
+
+    @property
+    def bucket(self) -> str:
+        return f"B={self.batch};text={self.text_pad};gen={self.gen_pad}"
+
+    def rows(self, s: int) -> tuple[int, int]:
+        """Flat rows of sample s's real gen tokens."""
+        a = s * self.gen_pad
+        return a, a + self.layouts[s].gen_len
+
+
+def build_geometry(layouts: list[PackedLayout], buckets: ShapeBuckets, rope: Callable, device: torch.device,
+                   dtype: torch.dtype, mask_pad: bool = True) -> BatchGeometry:
+    """`rope(position_ids [3, n]) -> (cos, sin)`. `mask_pad=False` leaves pad keys visible (a negative control)."""
+    from optimized.attention import key_padding_mask
+
+    B = len(layouts)
+    T = buckets.pad("text", max(l.text_len for l in layouts))
+    N = buckets.pad("gen", max(l.gen_len for l in layouts))
+    pos = torch.zeros(3, B * N, dtype=layouts[0].position_ids.dtype)
+    tmask = torch.zeros(B, N, 1)
+    vis, snd, vis_out, snd_out, act, act_out = [], [], [], [], [], []
+    for s, lay in enumerate(layouts):
+        base, L = s * N, lay.text_len
+        pos[:, base:base + lay.gen_len] = lay.position_ids[:, L:]
+        tmask[s, timestep_embedding_rows(lay).cpu() - L] = 1.0
+        nv, ns, na = lay.num_vision_tokens, lay.num_sound_tokens, lay.num_action_tokens
+        vis.append(torch.arange(base, base + nv))
+        vis_out.append(lay.vision_mse_loss_indexes - L + base)
+        if ns:
+            snd.append(torch.arange(base + nv, base + nv + ns))
+            snd_out.append(lay.sound_mse_loss_indexes - L + base)
+        act.append(torch.arange(base + nv + ns, base + nv + ns + na).to(device) if na else None)
+        has_out = lay.action_mse_loss_indexes is not None and lay.action_mse_loss_indexes.numel() > 0
+        act_out.append((lay.action_mse_loss_indexes - L + base).to(device) if has_out else None)
+    lengths = [(l.text_len, l.gen_len) if mask_pad else (T, N) for l in layouts]
+    cos, sin = rope(pos)
+    dev = lambda t: t.to(device)  # noqa: E731
+    return BatchGeometry(
+        layouts=tuple(layouts), batch=B, text_pad=T, gen_pad=N, key_mask=key_padding_mask(lengths, T, N, device),
+        cos=cos, sin=sin, timestep_mask=tmask.to(device, dtype), vision_rows=dev(torch.cat(vis)),
+        sound_rows=dev(torch.cat(snd)) if snd else None, vision_out_rows=dev(torch.cat(vis_out)),
+        sound_out_rows=dev(torch.cat(snd_out)) if snd_out else None, action_rows=tuple(act),
+        action_out_rows=tuple(act_out), noisy_frames=tuple(dev(l.vision_noisy_frames) for l in layouts),
+        sound_noisy=tuple(None if l.sound_noisy_frames is None else dev(l.sound_noisy_frames) for l in layouts),
+        action_noisy=tuple(None if l.action_noisy_frames is None else dev(l.action_noisy_frames) for l in layouts))

@@ -28,7 +28,9 @@ from optimized.models.wan.vae import ConvCache
 from optimized.runtime.cache import CacheKey
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
 from optimized.solvers import euler, unipc
+from optimized.solvers import sde as sde_solver
 from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
+from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_header, one_at_a_time
 
 LOOP_ID = "wan.denoise"
 SolverState = unipc.UniPCState | euler.EulerState
@@ -38,6 +40,7 @@ SolverState = unipc.UniPCState | euler.EulerState
 class WanDenoiseJob:
     request: WanGenerateRequest
     record_trajectory: bool = False
+    capture: CaptureSpec | None = None              # RL rollout: keep a BehaviorRecord (result["behavior"])
 
 
 @dataclass
@@ -58,6 +61,9 @@ class WanDenoiseState:
     initial: torch.Tensor | None = None             # the initial latents
     step: int = 0
     trajectory: list[torch.Tensor] = field(default_factory=list)
+    sde: sde_solver.SDEState | None = None          # SDE rollout steps (request.sde) on the solver's tables
+    generator: torch.Generator | None = None        # the request's own generator (SDE step noise comes from it)
+    recorder: BehaviorRecorder | None = None        # behavior capture (job.capture)
 
     @property
     def request(self) -> WanGenerateRequest:
@@ -124,21 +130,27 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         else:
             solver, timesteps = unipc.new_state(UniPCConfig(num_train_timesteps=cfg.num_train_timesteps,
                                                             flow_shift=shift).validate(), req.num_steps)
-        latents = self._initial_latents(req)
+        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+        latents = self._initial_latents(req, gen)
         text, negative = self._encode_text(req)
         keys = tuple(self.model.text_encoder.cache_key(ids)
                      for ids in (req.text_ids,) + ((req.negative_text_ids,) if req.uses_cfg else ()))
         state = WanDenoiseState(job, solver_name, timesteps, solver.sigmas, expert_schedule(cfg, timesteps),
-                                latents, solver, text, negative, text_keys=keys, initial=latents)
+                                latents, solver, text, negative, text_keys=keys, initial=latents, generator=gen)
+        if req.sde is not None:  # SDE steps on this solver's tables
+            state.sde = sde_solver.new_sde_state(req.sde, solver.sigmas)
+        if job.capture is not None:
+            header = behavior_header("wan", self.loop_id, req, self.model, self.cfg_policy.name, solver_name,
+                                     solver.sigmas, timesteps, keys, job.capture)
+            state.recorder = BehaviorRecorder.start(job.capture, header, {"vision": latents}, len(timesteps))
         if req.image_embeds is not None:  # (upstream) image_embeds.repeat(batch_size, 1, 1).to(transformer_dtype)
             state.image_embeds = req.image_embeds.unsqueeze(0).to(self.model.device, self.model.dtype)
         self._condition(req, state)
         return state
 
-    def _initial_latents(self, req: WanGenerateRequest) -> torch.Tensor:
+    def _initial_latents(self, req: WanGenerateRequest, g: torch.Generator | None) -> torch.Tensor:
         if req.noise is not None:  # (upstream) caller latents are cast to float32
             return req.noise.to(self.model.device, torch.float32, copy=True)
-        g = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
         # (upstream) one float32 randn of the whole [1, C, T, h, w] from a CPU generator
         return torch.randn(1, *req.latent_shape(self.cfg), generator=g, dtype=torch.float32).to(self.model.device)
 
@@ -234,7 +246,9 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
             timestep = t.reshape(1)
         return BranchInput(x.to(dt), timestep, text, s.image_embeds)
 
-    def run_step(self, states: Sequence[WanDenoiseState], plans: Sequence[WorkPlan]) -> list[WanDenoiseState]:
+    def guided_velocities(self, states: Sequence[WanDenoiseState], one_by_one: bool = False) -> list[torch.Tensor]:
+        """Every state's velocity at its current step (CFG-combined) from one or two batched forwards of one
+        expert; one forward per row, in order, when `one_by_one` or a request asks for batch invariance."""
         expert = states[0].experts[states[0].step]
         if any(s.experts[s.step] != expert for s in states):
             raise ValueError("wan.denoise: one batch must run one expert")
@@ -242,19 +256,44 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         cond = [self._branch(s, s.text) for s in states]
         guided = [s for s in states if s.request.uses_cfg]
         uncond = [self._branch(s, s.negative_text) for s in guided]
+        forward = partial(forward_rows, dit)
+        if one_by_one or any(s.job.capture is not None and s.job.capture.batch_invariant for s in states):
+            forward = one_at_a_time(forward)
         with torch.no_grad():
-            cond_preds, uncond_preds = self.cfg_policy.run(partial(forward_rows, dit), cond, uncond)
+            cond_preds, uncond_preds = self.cfg_policy.run(forward, cond, uncond)
         uncond_by_state = dict(zip(map(id, guided), uncond_preds))
         out = []
         for s, v in zip(states, cond_preds):
             if id(s) in uncond_by_state:  # (upstream) combined in the transformer's output dtype
                 v = cfg_combine(v, uncond_by_state[id(s)], s.request.guidance_for_expert(expert))
-            solver, x = advance(s.solver, v, s.latents)
-            s = replace(s, solver=solver, latents=x.to(torch.float32), step=s.step + 1)
+            out.append(v)
+        return out
+
+    def run_step(self, states: Sequence[WanDenoiseState], plans: Sequence[WorkPlan]) -> list[WanDenoiseState]:
+        out = []
+        for s, v in zip(states, self.guided_velocities(states)):
+            i, logprob, noise = s.step, None, None
+            if s.sde is not None:  # one fp32 randn of the latent shape per SDE step, from the request's generator
+                noise = torch.randn(s.latents.shape, generator=s.generator, dtype=torch.float32) \
+                    if s.sde.is_sde else None
+                sde, step = sde_solver.sde_step(s.sde, v, s.latents, noise)
+                s = replace(s, sde=sde, latents=step.x_next, step=s.step + 1)
+                logprob = step.logprob
+            else:
+                solver, x = advance(s.solver, v, s.latents)
+                s = replace(s, solver=solver, latents=x.to(torch.float32), step=s.step + 1)
             if s.job.record_trajectory:
                 s.trajectory = s.trajectory + [s.latents]
+            if s.recorder is not None:
+                s.recorder = s.recorder.step(i, float(s.timesteps[i]), float(s.sigmas[i]), float(s.sigmas[i + 1]),
+                                             logprob is not None, {"vision": logprob}, {"vision": noise},
+                                             {"vision": s.latents}, len(states), expert=s.experts[i])
             out.append(s)
         return out
+
+    def step_output(self, s: WanDenoiseState, plan: WorkPlan):
+        """A rollout streams each step's capture (kind "rollout.step") as the step's output."""
+        return None if s.recorder is None else s.recorder.last
 
     def is_done(self, s: WanDenoiseState) -> bool:
         return s.step >= len(s.timesteps)
@@ -263,9 +302,12 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         x = s.latents
         if self.cfg.expand_timesteps and s.condition is not None:  # (upstream) frame 0 replaced after the loop
             x = (1 - s.first_frame_mask) * s.condition + s.first_frame_mask * x
-        return {"latents": {"vision": x}, "trajectory": list(s.trajectory),
-                "timesteps": s.timesteps[: s.step].tolist(), "experts": list(s.experts[: s.step]),
-                "initial": s.initial}
+        out = {"latents": {"vision": x}, "trajectory": list(s.trajectory),
+               "timesteps": s.timesteps[: s.step].tolist(), "experts": list(s.experts[: s.step]),
+               "initial": s.initial}
+        if s.recorder is not None:
+            out["behavior"] = s.recorder.record({"vision": x})
+        return out
 
     def release(self, s: WanDenoiseState) -> None:
         """Nothing pooled: the text embeddings stay in the encoder's LRU cache for later requests."""

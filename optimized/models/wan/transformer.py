@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from manifests.wan.dit import WanDiTConfig
 
+from optimized.attention import attend, check_backend
 from optimized.models.wan.spec import DIT, dit_component
 from optimized.runtime.cache import state_dict_hash
+from optimized.runtime.compile import GRAPH_MODES, CompileCache, GraphKey
 from optimized.runtime.spec import apply_load_transforms
 
 ROPE_THETA = 10000.0
@@ -97,6 +99,11 @@ class WanDiTFast:
         # (upstream) diffusers get_timestep_embedding(flip_sin_to_cos=True, downscale_freq_shift=0): exp(-ln(1e4) k / half)
         exponent = -math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=self.device)
         self._time_freqs = torch.exp(exponent / half)
+        # the block stack's graph (configure_graph): a Wan batch is already one static shape (same grid, text 512)
+        self.graph_mode, self.attention, self.cfg_policy_name = "eager", "auto", "any"
+        self.component_id = component_id
+        self.graph_cache = CompileCache()
+        self.last_step_info: dict[str, str] = {}
 
     def _block(self, i: int) -> BlockWeights:
         p, g = f"blocks.{i}.", self.params.get
@@ -181,11 +188,43 @@ class WanDiTFast:
                             1e-5).to(h.dtype)
 
     # ------------------------------------------------------------------ block
-    @staticmethod
-    def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def configure_graph(self, mode: str = "eager", *, attention: str | None = None,
+                        cfg_policy: str | None = None) -> "WanDiTFast":
+        """How the block stack runs: "eager", "compile" (torch.compile per shape) or "cuda" (captured graph per
+        shape), and the attention backend (optimized/attention.py); both are in the GraphKey."""
+        if mode not in GRAPH_MODES:
+            raise ValueError(f"graph mode must be one of {GRAPH_MODES}, got {mode!r}")
+        self.graph_mode = mode
+        self.attention = check_backend(attention or self.attention)
+        self.cfg_policy_name = cfg_policy or self.cfg_policy_name
+        return self
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[B, N, H, d] layouts in and out (upstream native backend: permute, SDPA, permute back)."""
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return o.transpose(1, 2)
+        return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend=self.attention).transpose(1, 2)
+
+    def blocks_body(self, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None, timestep_proj: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
+        """The step body: every block on static shapes, no host sync (what `CompileCache` compiles or captures)."""
+        for block in self.blocks:
+            x = self._block_forward(block, x, ctx, img, timestep_proj, (cos, sin))
+        return (x,)
+
+    def _run_blocks(self, x, ctx, img, timestep_proj, rope) -> torch.Tensor:
+        shape = f"B={x.shape[0]};N={x.shape[1]};L={ctx.shape[1]};img={0 if img is None else img.shape[1]};" \
+                f"t={'token' if timestep_proj.ndim == 4 else 'sample'}"
+        key = GraphKey(family="wan", variant=self.component_id, weights_version=self.weights_version,
+                       dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), bucket=shape,
+                       batch_size=x.shape[0], cfg_policy=self.cfg_policy_name, attention=self.attention,
+                       mode=self.graph_mode)
+        if img is None:  # a captured graph takes tensors only
+            body = lambda x, ctx, tp, cos, sin: self.blocks_body(x, ctx, None, tp, cos, sin)  # noqa: E731
+            args = (x, ctx, timestep_proj, *rope)
+        else:
+            body, args = self.blocks_body, (x, ctx, img, timestep_proj, *rope)
+        runner, info = self.graph_cache.step(key, body, args)
+        self.last_step_info = info.as_dict()
+        return runner(*args)[0]
 
     def _block_forward(self, w: BlockWeights, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None,
                        timestep_proj: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -287,9 +326,11 @@ class WanDiTFast:
             full = torch.cat([img, ctx], dim=1)
             img, ctx = full[:, :img.shape[1]], full[:, img.shape[1]:]
 
-        for i, block in enumerate(self.blocks):
-            x = self._block_forward(block, x, ctx, img, timestep_proj, rope)
-            if trace is not None:
+        if trace is None:
+            x = self._run_blocks(x, ctx, img, timestep_proj, rope)
+        else:
+            for i, block in enumerate(self.blocks):
+                x = self._block_forward(block, x, ctx, img, timestep_proj, rope)
                 trace[f"blocks.{i}"] = x
 
         sst = self.params["scale_shift_table"]                  # [1, 2, D] fp32

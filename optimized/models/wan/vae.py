@@ -163,7 +163,7 @@ class FastWanVAE:
             return conv3d(x, w, b)
         prev = cache.frames.get(name)
         stream = x if prev is None else torch.cat([prev, x], 2)
-        out[name] = stream[:, :, -(kt - 1):]
+        out[name] = stream[:, :, -(kt - 1):].clone()  # a view would keep the whole chunk input alive
         missing = kt - 1 - (0 if prev is None else prev.shape[2])
         if missing > 0:  # zero frames before frame 0
             stream = torch.cat([stream.new_zeros(*stream.shape[:2], missing, *stream.shape[3:]), stream], 2)
@@ -201,7 +201,7 @@ class FastWanVAE:
             return x
         name = f"{p}.time_conv"
         stream = x if first else torch.cat([cache.frames[name], x], 2)
-        out[name] = stream[:, :, -1:]
+        out[name] = stream[:, :, -1:].clone()  # a view would keep the whole chunk input alive
         y = conv3d(stream, self.p[f"{name}.weight"], self.p[f"{name}.bias"], stride=(2, 1, 1)) \
             if stream.shape[2] >= 3 else stream[:, :, :0]
         return torch.cat([x[:, :, :1], y], 2) if first else y  # frame 0 bypasses the temporal conv
@@ -235,10 +235,13 @@ class FastWanVAE:
 
     # ---- chunk functions ----
     def decode_chunk(self, z: torch.Tensor, cache: ConvCache, first: bool,
-                     trace: Trace | None = None) -> tuple[torch.Tensor, ConvCache]:
-        """Latent chunk [B, z, n, h, w] (decoder input, de-normalised) -> video frames, clamped; and the new cache."""
+                     trace: Trace | None = None, consume: bool = False) -> tuple[torch.Tensor, ConvCache]:
+        """Latent chunk [B, z, n, h, w] (decoder input, de-normalised) -> video frames, clamped; and the new cache.
+        `consume=True` updates `cache` in place (each layer's old tail is dropped as its new tail is stored, as
+        upstream's feat_cache does): peak memory holds one conv cache instead of two, but `cache` is no longer the
+        pre-chunk state (only for a caller that will never retry the chunk from it)."""
         rec = trace or (lambda name, t: None)
-        out: dict[str, torch.Tensor] = dict(cache.frames)
+        out: dict[str, torch.Tensor] = cache.frames if consume else dict(cache.frames)
         x = conv3d(z.to(self.dtype), self.p["post_quant_conv.weight"], self.p["post_quant_conv.bias"])
         rec("post_quant_conv", x)
         x = self._conv(x, "decoder.conv_in", cache, out)

@@ -131,8 +131,10 @@ class WanVaeDecodeKernel(LoopKernel[DecodeState]):
         cache = states[0].cache if len(states) == 1 else ConvCache.concat([s.cache for s in states]) \
             if a > 0 else ConvCache()
         with torch.no_grad():
+            # a lone request's chunk updates its cache in place (one conv cache held, not two: peak <= upstream's);
+            # safe because a failed single-request step fails its request and is never retried from that cache
             video, cache = self.vae.decode_chunk(torch.cat(zs, 0) if len(zs) > 1 else zs[0], cache, first=a == 0,
-                                                 trace=self.trace)
+                                                 trace=self.trace, consume=len(states) == 1)
         if not torch.isfinite(video).all():
             raise FloatingPointError(f"{self.loop_id}: non-finite values in decoded frames {plans[0].info['video_frames']}")
         outs, caches = (video.split(sizes, 0), cache.split(sizes)) if len(states) > 1 else ((video,), (cache,))

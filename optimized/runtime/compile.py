@@ -1,0 +1,250 @@
+"""Compiled and graph-captured step bodies, cached per shape bucket (gpt-fast: speed from compiling the step).
+
+A family's step body is a pure tensor function `body(*inputs) -> tuple of tensors` whose inputs all have static
+shapes per **shape bucket** (pad to the bucket, mask the pad) and whose host-side tables (indices, position ids,
+masks) were built once per layout and cached on the device. `CompileCache.step(key, body, example)` returns a
+`StepRunner` for that key:
+
+  * "eager":    the body as written;
+  * "compile":  `torch.compile(body, dynamic=False)` (CPU and CUDA; one specialisation per bucket);
+  * "cuda":     CUDA graph capture of the (compiled or eager) body: static input buffers per bucket, copy-in,
+                replay, copy-out (`CapturedStep`).
+
+Keys (`GraphKey`) carry every field that can change the numbers or the captured shapes, like every cache key of the
+runtime: family, variant, weights version, dtype, device, shape bucket, batch size, CFG policy, parallel plan hash,
+attention backend, graph mode. Each call reports `kind` (eager / compiled / replayed) and whether the runner was a
+cache hit, for the step's `trace.step` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+GRAPH_MODES = ("eager", "compile", "cuda")
+Body = Callable[..., tuple[torch.Tensor, ...]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shape buckets
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShapeBuckets:
+    """Per-axis bucket sizes of a family: an axis length n is padded to the smallest declared edge >= n, or past the
+    last edge to the next multiple of `multiple[axis]` (1 = exact, no padding)."""
+    edges: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    multiple: dict[str, int] = field(default_factory=dict)
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.edges.items())), tuple(sorted(self.multiple.items()))))
+
+    def pad(self, axis: str, n: int) -> int:
+        for e in self.edges.get(axis, ()):
+            if n <= e:
+                return e
+        m = self.multiple.get(axis, 1)
+        return max(m, math.ceil(n / m) * m)
+
+    @staticmethod
+    def exact() -> "ShapeBuckets":
+        return ShapeBuckets()
+
+    def signature(self) -> str:
+        return ";".join(f"{a}:{self.edges.get(a, ())}+{self.multiple.get(a, 1)}"
+                        for a in sorted(set(self.edges) | set(self.multiple))) or "exact"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Keys
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GraphKey:
+    family: str
+    variant: str                 # config hash when there is no variant name
+    weights_version: str
+    dtype: str
+    device: str
+    bucket: str                  # e.g. "B=4;text=32;gen=960"
+    batch_size: int
+    cfg_policy: str
+    attention: str               # optimized/attention.py backend
+    mode: str                    # eager | compile | cuda
+    parallel_plan_hash: str = "single"
+
+    def __post_init__(self) -> None:
+        if self.mode not in GRAPH_MODES:
+            raise ValueError(f"graph mode must be one of {GRAPH_MODES}, got {self.mode!r}")
+        for name in ("family", "variant", "weights_version", "dtype", "device", "bucket", "cfg_policy", "attention"):
+            if not getattr(self, name):
+                raise ValueError(f"GraphKey.{name} must be non-empty")
+
+    def short(self) -> str:
+        return f"{self.family}/{self.mode}/{self.bucket}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runners
+# ----------------------------------------------------------------------------------------------------------------
+
+class EmulatedGraph:
+    """Replay semantics of a CUDA graph without a GPU (for CPU tests of the capture logic): `capture` records the
+    body; `replay` re-runs it on the SAME static input buffers and writes into the SAME static output tensors, so a
+    caller that forgets to copy new inputs in gets the stale answer exactly as a real graph would."""
+
+    def __init__(self) -> None:
+        self._fn: Callable[[], tuple[torch.Tensor, ...]] | None = None
+        self._outs: tuple[torch.Tensor, ...] = ()
+
+    @contextlib.contextmanager
+    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]):
+        self._fn = fn
+        self._outs = fn()
+        yield self._outs
+
+    def replay(self) -> None:
+        for out, new in zip(self._outs, self._fn()):
+            out.copy_(new)
+
+
+class CudaGraph:
+    """A real CUDA graph: warm-up on a side stream (lazy init, autotuning), then capture."""
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    @contextlib.contextmanager
+    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self.graph):
+            outs = fn()
+        yield outs
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CapturedStep:
+    """Static input buffers for one bucket; `__call__` copies the new inputs in (shapes and dtypes must match the
+    bucket exactly), replays, and copies the outputs out (a later replay must not change what a caller holds)."""
+
+    kind = "replayed"
+
+    def __init__(self, body: Body, example: Sequence[torch.Tensor], graph: EmulatedGraph | CudaGraph,
+                 copy_inputs: bool = True) -> None:
+        self.static_in = [x.clone() for x in example]
+        self.graph = graph
+        self.copy_inputs = copy_inputs          # False only as a negative control (stale static buffers)
+        with graph.capture(lambda: tuple(body(*self.static_in))) as outs:
+            self.static_out = outs
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(inputs) != len(self.static_in):
+            raise ValueError(f"captured step takes {len(self.static_in)} inputs, got {len(inputs)}")
+        for i, (buf, x) in enumerate(zip(self.static_in, inputs)):
+            if buf.shape != x.shape or buf.dtype != x.dtype:
+                raise ValueError(f"input {i}: {tuple(x.shape)} {x.dtype} does not match the captured bucket "
+                                 f"{tuple(buf.shape)} {buf.dtype}")
+            if self.copy_inputs:
+                buf.copy_(x)
+        self.graph.replay()
+        return tuple(o.clone() for o in self.static_out)
+
+
+@dataclass
+class StepRunner:
+    fn: Callable[..., tuple[torch.Tensor, ...]]
+    kind: str                 # eager | compiled | replayed
+    calls: int = 0
+
+    def __call__(self, *inputs):
+        self.calls += 1
+        return self.fn(*inputs)
+
+
+@dataclass
+class CompileStats:
+    hits: int = 0
+    misses: int = 0
+    builds: dict[str, int] = field(default_factory=dict)  # kind -> runners built
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one step ran, for `trace.step`: graph kind, bucket, and whether the runner came from the cache."""
+    graph: str
+    bucket: str
+    graph_cache: str          # hit | miss
+
+    def as_dict(self) -> dict[str, str]:
+        return {"graph": self.graph, "bucket": self.bucket, "graph_cache": self.graph_cache}
+
+
+class CompileCache:
+    """GraphKey -> StepRunner, LRU-bounded by entry count (a captured bucket holds its static buffers)."""
+
+    def __init__(self, max_entries: int = 32, emulate_capture: bool = False, copy_inputs: bool = True) -> None:
+        self.max_entries = max_entries
+        self.emulate_capture = emulate_capture   # CPU tests of the capture path
+        self.copy_inputs = copy_inputs
+        self._runners: OrderedDict[GraphKey, StepRunner] = OrderedDict()
+        self.stats = CompileStats()
+
+    def __len__(self) -> int:
+        return len(self._runners)
+
+    def keys(self) -> list[GraphKey]:
+        return list(self._runners)
+
+    def clear(self) -> None:
+        self._runners.clear()
+
+    def step(self, key: GraphKey, body: Body, example: Sequence[torch.Tensor]) -> tuple[StepRunner, StepInfo]:
+        runner = self._runners.get(key)
+        status = "hit"
+        if runner is None:
+            status = "miss"
+            self.stats.misses += 1
+            runner = self._build(key, body, example)
+            self._runners[key] = runner
+            while len(self._runners) > self.max_entries:
+                self._runners.popitem(last=False)
+        else:
+            self.stats.hits += 1
+            self._runners.move_to_end(key)
+        return runner, StepInfo(runner.kind, key.bucket, status)
+
+    def _build(self, key: GraphKey, body: Body, example: Sequence[torch.Tensor]) -> StepRunner:
+        if key.mode == "eager":
+            runner = StepRunner(body, "eager")
+        elif key.mode == "compile":
+            runner = StepRunner(compile_body(body), "compiled")
+        else:
+            if not self.emulate_capture and not key.device.startswith("cuda"):
+                raise ValueError(f"graph mode 'cuda' needs a CUDA device, got {key.device}")
+            graph = EmulatedGraph() if self.emulate_capture else CudaGraph()
+            runner = StepRunner(CapturedStep(body, example, graph, self.copy_inputs), "replayed")
+        self.stats.builds[runner.kind] = self.stats.builds.get(runner.kind, 0) + 1
+        return runner
+
+
+def compile_body(body: Body) -> Body:
+    """`torch.compile` with static shapes (one specialisation per bucket: the key already names the bucket)."""
+    import torch._dynamo
+
+    # every bucket is one specialisation of the same code object: allow as many as the cache holds (why: the
+    # default limit of 8 would silently fall back to eager after the 8th bucket)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(body, dynamic=False, fullgraph=True)
+
