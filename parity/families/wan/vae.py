@@ -74,9 +74,9 @@ def planted(fault: str | None, fast: opt.FastWanVAE):
     elif fault == "dropped-cache":  # the conv cache of decoder.conv_in is not carried between chunks
         original = fast.decode_chunk
 
-        def decode_chunk(z, cache, first, trace=None):
+        def decode_chunk(z, cache, first, trace=None, consume=False):
             frames = {k: v for k, v in cache.frames.items() if k != "decoder.conv_in"}
-            return original(z, opt.ConvCache(frames), first, trace)
+            return original(z, opt.ConvCache(frames), first, trace, consume=consume)
         fast.decode_chunk = decode_chunk
         try:
             yield
