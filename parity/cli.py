@@ -128,9 +128,13 @@ def list_cmd(probes: bool) -> None:
 @click.option("--graph", type=click.Choice(["eager", "compile", "cuda"]), default="eager", show_default=True,
               help="How the optimized step body runs: eager, torch.compile per shape bucket, or captured CUDA graphs "
                    "(levels that take it only, e.g. cosmos3 C1).")
+@click.option("--plan", default=None,
+              help="A parallel plan, e.g. ulysses2, ring2, cfgp2 or cfgp2,ulysses2: its ranks are spawned on CPU "
+                   "(gloo) and every rank is compared with the reference (levels that take it only, e.g. wan C1); "
+                   "a plan the model cannot run is refused (exit 2).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the full report (every metric) as JSON to this path.")
-def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, cases, graph,
+def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, cases, graph, plan,
             json_path) -> None:
     """Run parity level LEVEL for FAMILY and print a table of checks.
 
@@ -159,6 +163,10 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
             if "graph" not in inspect.signature(fam.levels[level]).parameters:
                 raise SetupError(f"{family} {level} has no graph modes; --graph {graph} does not apply")
             extra["graph"] = graph
+        if plan is not None:
+            if "plan" not in inspect.signature(fam.levels[level]).parameters:
+                raise SetupError(f"{family} {level} has no parallel plans; --plan {plan} does not apply")
+            extra["plan"] = plan
         report = fam.levels[level](variants=list(variants), checkpoint=checkpoint, device=device,
                                    dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed,
                                    fault=fault, progress=lambda msg: click.echo(msg, err=True), **extra)

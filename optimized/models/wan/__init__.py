@@ -65,8 +65,21 @@ def _parallel_shapes(cfg: WanModelConfig) -> ModelShapes:
                        tuple(d.ffn_dim for _, d in dits), cfg.dit.hidden_size)
 
 
-PARALLELISM = ParallelismContract(
-    family="wan", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"), implemented=("cfgp",),
+class _WanParallelism(ParallelismContract):
+    """The contract plus wan's attach step: with ulysses x ring > 1 every DiT expert runs sequence-parallel."""
+
+    def __call__(self, instance, mesh):
+        instance = super().__call__(instance, mesh)
+        plan = mesh.plan if hasattr(mesh, "plan") else mesh
+        if plan.sp_ulysses * plan.sp_ring > 1 and hasattr(mesh, "axis"):
+            for dit in (instance.dit, instance.dit_2):
+                if dit is not None:
+                    dit.sp_mesh = mesh
+        return instance
+
+
+PARALLELISM = _WanParallelism(
+    family="wan", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"), implemented=("cfgp", "sp_ulysses", "sp_ring"),
     shapes=_parallel_shapes, kv_rule="divide", seq_rule="pad",
     notes=("ulysses / ring shard the video tokens of self-attention (padded to a multiple of ulysses x ring, "
            "padded keys masked); cross-attention keeps the whole text on every rank (kv_replicated)",),

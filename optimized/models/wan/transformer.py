@@ -8,6 +8,12 @@ LayerNorm stay fp32 (`_keep_in_fp32_modules`), norms / modulation / residual gat
 back, rope is applied in fp32 and rounded to the run dtype.
 
 The output is in the run dtype (upstream returns the transformer dtype; the pipeline casts to fp32 as it needs).
+
+Sequence parallel (`sp_mesh`, attached by the family's `parallelize` hook when the plan's ulysses x ring > 1): the
+video tokens are sharded after the patch embedding (with their RoPE rows and per-token timesteps), self-attention
+runs through `optimized.parallel.sp.sp_attention` (padded keys masked), cross-attention stays local (the text is
+whole on every rank), the blocks run eagerly, and the tokens are all-gathered and trimmed before the output head.
+Without a mesh (or at degree 1) the single-process path runs unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 from manifests.wan.dit import WanDiTConfig
 
 from optimized.attention import attend, check_backend
+from optimized.parallel.sp import NO_FAULTS, SPFaults, key_mask_shard, shard_sequence, sp_attention, sp_index
 from optimized.models.wan.spec import DIT, dit_component
 from optimized.runtime.cache import state_dict_hash
 from optimized.runtime.compile import GRAPH_MODES, CompileCache, GraphKey
@@ -104,6 +111,8 @@ class WanDiTFast:
         self.component_id = component_id
         self.graph_cache = CompileCache()
         self.last_step_info: dict[str, str] = {}
+        self.sp_mesh = None                    # a ParallelMesh with ulysses x ring > 1: sequence-parallel forward
+        self.sp_faults: SPFaults = NO_FAULTS   # negative controls in the SP all-to-all (parity only)
 
     def _block(self, i: int) -> BlockWeights:
         p, g = f"blocks.{i}.", self.params.get
@@ -227,8 +236,10 @@ class WanDiTFast:
         return runner(*args)[0]
 
     def _block_forward(self, w: BlockWeights, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None,
-                       timestep_proj: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [B, N, D] run dtype; timestep_proj [B, 6, D] or [B, N, 6, D] (run dtype)."""
+                       timestep_proj: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       self_attention=None) -> torch.Tensor:
+        """x [B, N, D] run dtype; timestep_proj [B, 6, D] or [B, N, 6, D] (run dtype). `self_attention`: the
+        sequence-parallel attention of this rank's tokens (None: local SDPA)."""
         cfg, dt = self.cfg, x.dtype
         B, N, D = x.shape
         H, eps = cfg.num_heads, cfg.eps
@@ -245,7 +256,7 @@ class WanDiTFast:
         k = F.rms_norm(k, (D,), w.norm_k1, eps).unflatten(2, (H, -1))
         v = v.unflatten(2, (H, -1))
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
-        a = self._sdpa(q, k, v).flatten(2, 3).to(dt)
+        a = (self_attention or self._sdpa)(q, k, v).flatten(2, 3).to(dt)
         x = (x.float() + F.linear(a, w.out1_w, w.out1_b) * gate_msa).to(dt)
 
         # 2. cross-attention (text; + image tokens through their own K/V, summed before to_out)
@@ -326,7 +337,9 @@ class WanDiTFast:
             full = torch.cat([img, ctx], dim=1)
             img, ctx = full[:, :img.shape[1]], full[:, img.shape[1]:]
 
-        if trace is None:
+        if self._sp_degree() > 1:
+            x = self._sp_blocks(x, ctx, img, timestep_proj, rope, trace)
+        elif trace is None:
             x = self._run_blocks(x, ctx, img, timestep_proj, rope)
         else:
             for i, block in enumerate(self.blocks):
@@ -346,6 +359,36 @@ class WanDiTFast:
         pt, ph, pw = cfg.patch_size
         x = x.reshape(B, f, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(B, x.shape[1], f * pt, h * ph, w * pw)
+
+    # ------------------------------------------------------------------ sequence parallel
+    def _sp_degree(self) -> int:
+        return 1 if self.sp_mesh is None else self.sp_mesh.plan.sp_ulysses * self.sp_mesh.plan.sp_ring
+
+    def _sp_gather(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """This rank's [B, N_local, D] -> the whole [B, tokens, D] (chunk index = ring rank x ulysses + ulysses rank)."""
+        u, r = self.sp_mesh.axis("sp_ulysses"), self.sp_mesh.axis("sp_ring")
+        x = torch.cat(u.all_gather(x.contiguous()), 1)
+        x = torch.cat(r.all_gather(x.contiguous()), 1)
+        return x[:, :tokens]
+
+    def _sp_blocks(self, x, ctx, img, timestep_proj, rope, trace: dict | None) -> torch.Tensor:
+        """The block stack on this rank's token chunk (eager); the whole sequence back, trimmed of its padding."""
+        mesh, (B, N, _) = self.sp_mesh, x.shape
+        index, n = sp_index(mesh)
+        x = shard_sequence(x, n, index, 1)
+        cos, sin = (shard_sequence(t, n, index, 0) for t in rope)
+        if timestep_proj.ndim == 4:   # per-token modulation (Wan2.2 TI2V): this rank's tokens only
+            timestep_proj = shard_sequence(timestep_proj, n, index, 1)
+        key_mask = None if N % n == 0 else key_mask_shard(B, N, n, index, x.device)   # padded keys masked
+
+        def attention(q, k, v):
+            return sp_attention(q, k, v, key_mask, mesh, faults=self.sp_faults)
+
+        for i, block in enumerate(self.blocks):
+            x = self._block_forward(block, x, ctx, img, timestep_proj, (cos, sin), self_attention=attention)
+            if trace is not None:
+                trace[f"blocks.{i}"] = self._sp_gather(x, N)
+        return self._sp_gather(x, N)
 
     def forward(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
                 image_embeds: torch.Tensor | None = None) -> torch.Tensor:

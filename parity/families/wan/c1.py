@@ -267,9 +267,18 @@ def localise_step(pipe: ref.WanReferencePipeline, engine, req: WanGenerateReques
 # ------------------------------------------------------------------------------------------------
 
 def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
-           fault: str | None, progress: Callable[[str], None]) -> Report:
+           fault: str | None, progress: Callable[[str], None], plan: str | None = None) -> Report:
+    """`plan` (e.g. "ulysses2", "cfgp2,ulysses2"): every rank of the plan on gloo vs the reference (parallel.py)."""
     faults.check_fault(fault, "C1", faults.C1_FAULTS)
     models = resolve_models(variants, checkpoint, seed, kinds=("model",))
+    if plan or fault in faults.SP_FAULTS:
+        from parity.families.wan import parallel
+        parsed = parallel.parse_plan(plan or "", models, device, fault)
+        if parsed.world_size > 1:
+            report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
+                                          "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
+                                          "steps": STEPS, "reference": "fp32 CPU"})
+            return parallel.run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress)
     if fault == "expert-switch-late" and not any(m.cfg.two_experts for m in models):
         raise SetupError("fault expert-switch-late needs a two-expert variant (e.g. tiny-2.2-t2v-a14b)")
     report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,

@@ -7,6 +7,7 @@ Where each is planted (context managers; everything is restored on exit, caches 
     VAE      (FastWanVAE)      vae-perturbed-weight, rep-context, dropped-cache   (parity/families/wan/vae.py)
     loop     (wan.denoise)     expert-switch-late
     decode   (media chain)     inverted-latents-std
+    SP       (WanDiTFast.sp_faults, in every rank)   ulysses-heads-permuted   (C1 with --plan ulysses*)
 DiT / UMT5 faults are planted in the C0 components and, for C1, in the engine's model instance too.
 """
 
@@ -38,6 +39,11 @@ FAULTS = (
     Fault("inverted-latents-std", "the engine's media chain de-normalises with z * (1 / std) + mean", "C4",
           "vae decode"),
 )
+# planted in every rank of a C1 run under --plan (tests/test_wan_sp.py), so kept apart from the one-process FAULTS
+SP_FAULT_DECLS = (
+    Fault("ulysses-heads-permuted", "Ulysses SP: the forward all-to-all sends each head group to the wrong rank "
+          "(C1 with --plan ulysses2)", "C1", "step 0, cond branch, layer blocks.0"),
+)
 FAULT_NAMES = tuple(f.name for f in FAULTS)
 DIT_FAULTS = ("rope-wrong-axis", "perturbed-weight")
 UMT5_FAULTS = ("text-padding-not-zeroed",)
@@ -45,9 +51,10 @@ VAE_FAULTS = {"vae-perturbed-weight": "perturbed-weight", "rep-context": "rep-co
               "dropped-cache": "dropped-cache"}   # family name -> the name vae.py plants
 LOOP_FAULTS = ("expert-switch-late",)
 DECODE_FAULTS = ("inverted-latents-std",)
+SP_FAULTS = ("ulysses-heads-permuted",)
 
 C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + tuple(VAE_FAULTS)
-C1_FAULTS = DIT_FAULTS + UMT5_FAULTS + LOOP_FAULTS
+C1_FAULTS = DIT_FAULTS + UMT5_FAULTS + LOOP_FAULTS + SP_FAULTS
 C4_FAULTS = DECODE_FAULTS
 
 
@@ -178,7 +185,25 @@ def planted_engine(fault: str | None, engine) -> Iterator[None]:
             stack.enter_context(planted_umt5(fault, engine.model.text_encoder))
         elif fault == "expert-switch-late":
             stack.enter_context(_expert_switch_late())
+        elif fault in SP_FAULTS:
+            stack.enter_context(planted_sp(fault, engine.model))
         yield
+
+
+@contextlib.contextmanager
+def planted_sp(fault: str | None, instance) -> Iterator[None]:
+    """SP faults in every DiT expert of a (parallelized) model instance; a no-op in one process."""
+    from optimized.parallel.sp import NO_FAULTS, SPFaults
+
+    dits = [d for d in (instance.dit, instance.dit_2) if d is not None]
+    if fault == "ulysses-heads-permuted":
+        for d in dits:
+            d.sp_faults = SPFaults(permute_heads=True)
+    try:
+        yield
+    finally:
+        for d in dits:
+            d.sp_faults = NO_FAULTS
 
 
 def planted_decode(fault: str | None):

@@ -1,0 +1,98 @@
+"""Ulysses / ring sequence parallelism inside the wan DiT, and `fvparity run wan --level C1 --plan ...`: every gloo
+rank's per-step latents vs the reference pipeline and vs the engine in one process; the heads-permuted all-to-all
+must fail naming step and layer; a plan the model cannot run exits 2 naming the constraint. In-process: a degree-1
+mesh leaves the DiT bitwise as it was."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from manifests.wan import load_model_variant
+from optimized.models.wan import PARALLELISM
+from optimized.models.wan.instance import WanModelInstance
+from optimized.parallel.mesh import ParallelMesh, build_mesh
+from optimized.parallel.plan import ParallelPlan
+
+VARIANT = "tiny-2.1-t2v"
+
+
+def c1(plan: str, fault: str | None = None):
+    from parity.families.wan.c1 import run_c1
+    return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, plan=plan)
+
+
+def fvparity(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parity.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def dit_inputs(cfg, grid_hw: tuple[int, int] = (4, 6), frames: int = 2):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, cfg.dit.in_channels, frames, *grid_hw, generator=g)
+    return x, torch.tensor([500.0, 900.0]), torch.randn(2, 12, cfg.dit.text_dim, generator=g)
+
+
+def _sp_dit_worker(group, plan: str, frames: int, grid_hw: tuple[int, int]) -> torch.Tensor:
+    cfg = load_model_variant(VARIANT)
+    instance = PARALLELISM(WanModelInstance.random(cfg, 0), build_mesh(ParallelPlan.parse(plan)))
+    return instance.dit.forward_batch(*dit_inputs(cfg, grid_hw, frames))
+
+
+def test_degree_one_mesh_is_the_single_process_path():
+    cfg = load_model_variant(VARIANT)
+    instance = WanModelInstance.random(cfg, 0)
+    want = instance.dit.forward_batch(*dit_inputs(cfg))
+    PARALLELISM(instance, ParallelMesh.single())
+    assert instance.dit.sp_mesh is None
+    assert torch.equal(instance.dit.forward_batch(*dit_inputs(cfg)), want)
+
+
+def test_invalid_plan_exits_2_naming_the_constraint():
+    bad = fvparity("run", "wan", "--level", "C1", "--variant", VARIANT, "--plan", "ulysses3")
+    assert bad.returncode == 2, bad.stderr
+    assert "2 heads are not divisible by ulysses x tp = 3" in bad.stderr
+    other = fvparity("run", "cosmos3", "--level", "C1", "--plan", "ulysses2")
+    assert other.returncode == 2 and "--plan ulysses2 does not apply" in other.stderr
+
+
+@pytest.mark.dist
+def test_c1_ulysses2_passes_on_two_gloo_ranks():
+    report = c1("ulysses2")
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+    names = {c.name for c in report.checks}
+    assert any("/rank1/" in n and n.endswith("/step3") for n in names)          # every rank, every step compared
+    assert any(n.endswith("/vs_one_process") for n in names)                    # SP=2 vs SP=1 of the engine
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_heads_permuted_all_to_all_fails_naming_step_and_layer():
+    report = c1("ulysses2", fault="ulysses-heads-permuted")
+    bad = [c for c in report.checks if not c.passed]
+    assert bad, "C1 passed with the Ulysses heads permuted"
+    assert any("step 0, cond branch, layer blocks.0" in (c.divergence or "") for c in bad), \
+        [(c.name, c.divergence) for c in bad][:6]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["ring2", "cfgp2"])
+def test_c1_other_two_rank_plans_pass(plan):
+    report = c1(plan)
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["ulysses2", "ring2"])
+def test_sp_dit_with_padded_sequence(plan):
+    """3 tokens over 2 ranks: padded to 4, the pad key masked, trimmed after the gather."""
+    from optimized.parallel.launch import run_ranks
+
+    cfg = load_model_variant(VARIANT)
+    want = WanModelInstance.random(cfg, 0).dit.forward_batch(*dit_inputs(cfg, (2, 6), frames=1))
+    for got in run_ranks(_sp_dit_worker, 2, (plan, 1, (2, 6)), timeout_s=240):
+        assert float((got - want).norm() / want.norm()) < 1e-6
