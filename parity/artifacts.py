@@ -83,3 +83,18 @@ def write_and_read_back(out, directory: Path, sample_rate: int | None) -> dict:
     leftovers = [p.name for p in directory.iterdir() if p.name.startswith(".")]
     got["leftovers"] = leftovers
     return got
+
+
+def png_frames_check(prefix: str, files: dict, bounds: dict, frame_tol):
+    """The PNG frames both sides wrote, read back (uint8, data_range 255): SSIM min and PSNR within `bounds`."""
+    from parity.report import CheckResult
+    a, b = files["reference"]["frames"], files["optimized"]["frames"]
+    sim8 = video_similarity(a, b, 255.0)
+    ok = "shape_mismatch" not in sim8 and sim8["ssim_min"] >= bounds["min_ssim"] and \
+        sim8["psnr_db"] >= bounds["min_psnr"]
+    diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if a.shape == b.shape else -1
+    c = CheckResult(f"{prefix}/png_frames", ok, None, frame_tol, divergence=None if ok else "see frames",
+                    detail=f"uint8 PNG read-back: SSIM min {sim8['ssim_min']:.6f}, PSNR {fmt_db(sim8['psnr_db'])} dB"
+                           f" (data_range 255), max |diff| {diff} levels")
+    c.extra = {"ssim_min": sim8["ssim_min"], "psnr_db": str(sim8["psnr_db"]), "max_level_diff": diff}
+    return c

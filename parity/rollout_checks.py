@@ -188,3 +188,221 @@ def cpu_threads(device: str, n: int = 1) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+def c2_faults(cache: str, stale_cache_detail: str) -> tuple[dict, tuple]:
+    """Every family's C2 faults (name -> context manager factory, and their Fault rows); `cache` names the prompt
+    cache that a stale weight update keeps."""
+    from parity.family import Fault
+    stale = f"stale-{cache}-cache-after-update"
+    planted_faults = {"sde-sigma-off-by-one": sde_sigma_off_by_one,
+                      "sde-noise-level-mismatch": sde_noise_level_mismatch,
+                      stale: stale_cache_after_update}
+    rows = (Fault("sde-sigma-off-by-one", "the rollout's SDE steps read the sigma table one step late", "C2"),
+            Fault("sde-noise-level-mismatch", "the rollout samples with noise_level 0.75, the record says 0.7", "C2"),
+            Fault(stale, stale_cache_detail, "C2"))
+    return planted_faults, rows
+
+
+# ------------------------------------------------------------------------------------------------ shared runners
+
+def check_fault(family: str, level: str, faults: dict, fault: str | None) -> None:
+    """A fault must be one planted at this level for this family."""
+    from parity.errors import SetupError
+    if fault is not None and fault not in faults:
+        raise SetupError(f"fault {fault!r} is not planted at {level} for {family} ({level} faults: "
+                         f"{', '.join(faults)})")
+
+
+@contextlib.contextmanager
+def planted(faults: dict, fault: str | None) -> Iterator[None]:
+    """The named fault (one of `faults`: name -> context manager factory) planted for the block; None: nothing."""
+    if fault is None:
+        yield
+        return
+    with faults[fault]():
+        yield
+
+
+def nan_logprobs(values) -> torch.Tensor:
+    """A reference's per-step logprobs (None on ODE steps) as a tensor with NaN there."""
+    return torch.tensor([float("nan") if x is None else float(x) for x in values])
+
+
+class LogprobIdentity:
+    """C2 on one engine: its rollouts (the fault planted around them) and the checks that compare their logprobs,
+    named under `prefix`. The family supplies the requests and the reference; the check sequence is shared."""
+
+    def __init__(self, prefix: str, engine, faults: dict, fault: str | None):
+        from optimized.training.records import CaptureSpec
+        self.prefix, self.engine, self.faults, self.fault = prefix, engine, faults, fault
+        self.batch_invariant = CaptureSpec(latents=True, batch_invariant=True)
+        self.checks: list[CheckResult] = []
+
+    def run(self, reqs, capture=None):
+        from optimized.training.rollout import rollout
+        with planted(self.faults, self.fault):
+            return rollout(self.engine, reqs, capture or self.batch_invariant)
+
+    def identity(self, name: str, sample, want_steps=None, use_cache=True) -> None:
+        """The engine's recompute of a rollout's record reproduces its logprobs exactly (and its tables)."""
+        from optimized.training.recompute import recompute_logprobs
+        rc = recompute_logprobs(self.engine, sample.record, sample.request, use_cache=use_cache)
+        self.checks.append(logprob_check(f"{self.prefix}/{name}", sample.record.logprob, rc.logprob, 0.0,
+                                         want_steps))
+        if rc.table_mismatch:
+            self.checks.append(exact_check(f"{self.prefix}/{name}:tables", False, rc.table_mismatch))
+
+    def single_cases(self, cases: dict) -> dict:
+        """One rollout per named request, in one batch; each identical to its recompute (`sde_window`: steps 1, 2)."""
+        samples = dict(zip(cases, self.run(list(cases.values()))))
+        for name, s in samples.items():
+            self.identity(name, s, want_steps=[1, 2] if name == "sde_window" else None)
+        return samples
+
+    def without_cache(self, name: str, samples: dict, cases: dict, cache: str) -> None:
+        """The prompt cache (`cache` names it) changes nothing: a recompute and a rollout that compute afresh."""
+        from optimized.training.recompute import cache_use
+        s = samples[name]
+        self.identity(f"{name}/recompute_without_{cache}_cache", s, use_cache=False)
+        with cache_use(self.engine.model, False):
+            cold, = self.run([cases[name]])
+        self.checks.append(logprob_check(f"{self.prefix}/{name}/rollout_without_{cache}_cache", s.record.logprob,
+                                         cold.record.logprob, 0.0))
+
+    def group_of_8(self, group: list, serving_tol: float) -> None:
+        """8 requests in one batch vs each alone (identical), and plain batched forwards vs alone (serving_tol)."""
+        from optimized.training.records import CaptureSpec
+        batched = self.run(group)
+        alone = [self.run([r])[0] for r in group]
+        sizes = sorted({b for x in batched for b in x.record.batch_sizes})
+        self.checks.append(exact_check(f"{self.prefix}/batch8/ran_as_one_batch", sizes == [8], f"batch sizes {sizes}"))
+        for k in (0, 7):
+            self.checks.append(logprob_check(f"{self.prefix}/batch8/sample{k}_vs_alone", alone[k].record.logprob,
+                                             batched[k].record.logprob, 0.0))
+            self.identity(f"batch8/sample{k}", batched[k])
+        serving = self.run(group, CaptureSpec(latents=True, batch_invariant=False))
+        self.checks.append(logprob_check(f"{self.prefix}/batch8_serving_batched/sample3_vs_alone",
+                                         alone[3].record.logprob, serving[3].record.logprob, serving_tol))
+
+    def against_reference(self, names, samples: dict, recompute, resample, tol: float) -> None:
+        """The readable reference recomputes each record (`recompute(sample)`) and re-samples its seed
+        (`resample(request)`); both as per-step logprob lists (None on ODE steps), within tol."""
+        for name in names:
+            s = samples[name]
+            self.checks.append(logprob_check(f"{self.prefix}/{name}/reference_recompute", s.record.logprob,
+                                             nan_logprobs(recompute(s)), tol))
+            self.checks.append(logprob_check(f"{self.prefix}/{name}/reference_rollout", s.record.logprob,
+                                             nan_logprobs(resample(s.request)), tol))
+
+    def after_weight_update(self, warm, new_weights, cache: str) -> None:
+        """A prompt cached under policy-v1, the weights updated to policy-v2 (the fault planted around the update):
+        the record carries the new version and recomputes identically without the `cache` cache."""
+        self.run([warm])  # the prompt's cache entries are now under policy-v1
+        with planted(self.faults, self.fault):
+            update = self.engine.update_weights(new_weights, "policy-v2")
+        after, = self.run([warm])
+        self.checks.append(exact_check(f"{self.prefix}/weight_update/record_version",
+                                       after.record.weights_version == "policy-v2",
+                                       f"record carries {after.record.weights_version!r}, update {update}"))
+        self.identity(f"weight_update/recompute_without_{cache}_cache", after, use_cache=False)
+
+
+def rollout_set(engine, requests: list, faults: dict, fault: str | None) -> SampleSet:
+    """The engine's rollouts of `requests` in one batch (the fault planted), as a sample set."""
+    from optimized.training.records import CaptureSpec
+    from optimized.training.rollout import rollout
+    with planted(faults, fault):
+        samples = rollout(engine, requests, CaptureSpec())
+    return sample_set([s.latents["vision"] for s in samples], [s.record.logprob for s in samples])
+
+
+def mixed_batch_set(engine, requests: list, background, faults: dict, fault: str | None) -> SampleSet:
+    """The same requests submitted one per tick, every 4th beside `background(k)` (a request of another prompt),
+    on an engine of small max_batch (allowed nondeterminism: batch composition)."""
+    from optimized.training.rollout import submit_rollout
+    handles = []
+    with planted(faults, fault):
+        for k, r in enumerate(requests):
+            handles.append(submit_rollout(engine, r))
+            if k % 4 == 0:
+                engine.submit(background(k))
+            engine.step()
+        engine.run_until_idle()
+    results = [h.result() for h in handles]
+    return sample_set([r["latents"]["vision"] for r in results], [r["behavior"].logprob for r in results])
+
+
+@dataclass
+class RolloutSides:
+    """How one family draws K rollouts per side for C3, each from a block of seeds (keyword args: the knobs)."""
+    reference: object   # (seeds, **knobs) -> SampleSet: the readable reference
+    engine: object      # (seeds, **knobs) -> SampleSet: the engine, K requests in one batch
+    mixed: object       # (seeds) -> SampleSet: the engine in small batches beside other requests
+
+
+C3_ALPHA = 0.01
+C3_BASE = {"noise_level": 0.7, "guidance": 5.0}                                  # every request's knobs
+C3_CONTROLS = {"noise_level": dict(noise_level=0.75), "guidance": dict(guidance=5.5)}   # must be detected
+C3_POWER_SWEEP = (0.02, 0.04, 0.07, 0.1, 0.2)   # relative perturbations tried, smallest first
+
+
+def guidance_drift(module):
+    """The planted C3 fault: the engine's CFG combine (`module.cfg_combine`) uses 1.1 x the request's guidance."""
+    return _patched(module, "cfg_combine", lambda original: lambda c, u, scale: original(c, u, scale * 1.1))
+
+
+def engine_sides(reference, engine, small_engine, request, background, faults: dict,
+                 fault: str | None) -> RolloutSides:
+    """The C3 sides of one family: `reference(seeds, **knobs)`, `engine` for one batch, `small_engine()` (max_batch
+    3) for the mixed side, `request(seed, **knobs)`, `background(k)` beside the mixed side's requests."""
+    return RolloutSides(
+        reference=reference,
+        engine=lambda seeds, **kw: rollout_set(engine, [request(s, **kw) for s in seeds], faults, fault),
+        mixed=lambda seeds: mixed_batch_set(small_engine(), [request(s) for s in seeds], background, faults, fault))
+
+
+def rollout_distribution_checks(prefix: str, sides: RolloutSides, k: int, progress, alpha: float = C3_ALPHA,
+                                base: dict[str, float] = C3_BASE, controls: dict[str, dict] = C3_CONTROLS,
+                                power_sweep: tuple[float, ...] = C3_POWER_SWEEP) -> list[CheckResult]:
+    """C3 for one model and dtype: K seeded SDE rollouts per side, disjoint seed blocks, compared as distributions
+    (two_sample_tests, Bonferroni over the tests at alpha):
+
+        reference_vs_engine     the reference vs the engine (K requests in one batch)               must NOT differ
+        batch_composition       the engine in one batch vs the engine in batches of 3 beside other
+                                requests (allowed nondeterminism)                                   must NOT differ
+        control/noise_level     the engine at noise_level 0.75 vs the reference at 0.7              must differ
+        control/guidance        the engine at guidance 5.5 vs the reference at 5.0                  must differ
+        power/<knob>            the smallest relative perturbation of each knob detected at K (a sweep); it must
+                                be no larger than the control's
+    """
+    seeds = lambda block: range(block * k, (block + 1) * k)   # disjoint seed blocks: independent samples
+    progress(f"[C3] {prefix}: K={k} rollouts per side")
+    reference = sides.reference(seeds(0))
+    checks = [distribution_check(f"{prefix}/reference_vs_engine", two_sample_tests(
+        reference, sides.engine(seeds(1))), alpha, expect_same=True)]
+    batched = sides.engine(seeds(2))
+    mixed = sides.mixed(seeds(3))
+    checks.append(distribution_check(f"{prefix}/batch_composition", two_sample_tests(batched, mixed), alpha,
+                                     expect_same=True))
+    progress(f"[C3] {prefix}: perturbed controls and power")
+    for block, (knob, kw) in enumerate(controls.items(), start=4):
+        tests = two_sample_tests(reference, sides.engine(seeds(block), **kw))
+        checks.append(distribution_check(f"{prefix}/control/{knob}", tests, alpha, expect_same=False))
+    for block, knob in enumerate(base, start=6):
+        detected, swept = None, {}
+        for rel in power_sweep:
+            other = sides.engine(seeds(block), **{knob: base[knob] * (1 + rel)})
+            tests = two_sample_tests(reference, other)
+            _, p = min_p(tests)
+            swept[rel] = p
+            if p <= alpha / len(tests):
+                detected = rel
+                break
+        control = controls[knob][knob] / base[knob] - 1
+        ok = detected is not None and detected <= control + 1e-9
+        detail = (f"smallest detected perturbation at K={k}: {knob} x (1 + {detected})" if detected is not None
+                  else f"no perturbation up to {power_sweep[-1]:.0%} detected at K={k}")
+        checks.append(CheckResult(f"{prefix}/power/{knob}", ok, detail=detail,
+                                  extra={"min_p_by_perturbation": swept, "control": control}))
+    return checks

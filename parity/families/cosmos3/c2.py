@@ -10,25 +10,17 @@ engine's rollouts only (the recompute is clean) and must fail.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
 from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest, SDEConfig, UniPCConfig
-from parity.errors import SetupError
 from parity.families.cosmos3.common import load_reference, resolve_models
-from parity.family import DTYPES, Fault
+from parity.family import DTYPES
 from parity.report import CheckResult, Report
-from parity.rollout_checks import (cpu_threads, exact_check, logprob_check, sde_noise_level_mismatch,
-                                   sde_sigma_off_by_one, stale_cache_after_update)
+from parity.rollout_checks import LogprobIdentity, c2_faults, check_fault, cpu_threads
 
 import optimized
 import reference.cosmos3 as ref
-from optimized.training.records import CaptureSpec
-from optimized.training.recompute import cache_use, recompute_logprobs
-from optimized.training.rollout import rollout
 from reference.cosmos3.recompute import recompute_logprobs as reference_recompute
 
 STEPS = 4
@@ -55,31 +47,7 @@ def perturbed_state(state: dict[str, torch.Tensor], seed: int) -> dict[str, torc
 
 # ------------------------------------------------------------------------------------------------ faults
 
-C2_FAULTS = {
-    "sde-sigma-off-by-one": sde_sigma_off_by_one,
-    "sde-noise-level-mismatch": sde_noise_level_mismatch,
-    "stale-und-cache-after-update": stale_cache_after_update,
-}
-
-FAULTS = (
-    Fault("sde-sigma-off-by-one", "the rollout's SDE steps read the sigma table one step late", "C2"),
-    Fault("sde-noise-level-mismatch", "the rollout samples with noise_level 0.75, the record says 0.7", "C2"),
-    Fault("stale-und-cache-after-update", "a weight update keeps the old version's und K/V cache", "C2"),
-)
-
-
-def check_fault(fault: str | None) -> None:
-    if fault is not None and fault not in C2_FAULTS:
-        raise SetupError(f"fault {fault!r} is not planted at C2 for cosmos3 (C2 faults: {', '.join(C2_FAULTS)})")
-
-
-@contextlib.contextmanager
-def planted(fault: str | None) -> Iterator[None]:
-    if fault is None:
-        yield
-        return
-    with C2_FAULTS[fault]():
-        yield
+C2_FAULTS, FAULTS = c2_faults("und", "a weight update keeps the old version's und K/V cache")
 
 
 # ------------------------------------------------------------------------------------------------ the runner
@@ -89,18 +57,7 @@ def c2_checks(prefix: str, cfg: Cosmos3Config, state: dict[str, torch.Tensor], d
     dtype = DTYPES[dname]
     engine = optimized.Engine.from_state_dict(cfg, state, device=device, dtype=dtype, weights_version="policy-v1")
     reference = load_reference(cfg, state, device, dtype)
-    bi = CaptureSpec(latents=True, batch_invariant=True)
-    checks: list[CheckResult] = []
-
-    def run(reqs, capture=bi):
-        with planted(fault):
-            return rollout(engine, reqs, capture)
-
-    def identity(name: str, sample, want_steps=None, use_cache=True) -> None:
-        rc = recompute_logprobs(engine, sample.record, sample.request, use_cache=use_cache)
-        checks.append(logprob_check(f"{prefix}/{name}", sample.record.logprob, rc.logprob, 0.0, want_steps))
-        if rc.table_mismatch:
-            checks.append(exact_check(f"{prefix}/{name}:tables", False, rc.table_mismatch))
+    c2 = LogprobIdentity(prefix, engine, C2_FAULTS, fault)
 
     progress(f"[C2] {prefix}: single rollouts")
     cases = {
@@ -109,58 +66,28 @@ def c2_checks(prefix: str, cfg: Cosmos3Config, state: dict[str, torch.Tensor], d
         "dance_grpo_cfg": request(cfg, 3, sde=SDEConfig(0.7, "dance_grpo")),
         "sde_window": request(cfg, 4, sde=SDEConfig(0.7, sde_window=(1, 3))),
     }
-    samples = dict(zip(cases, run(list(cases.values()))))
-    for name, s in samples.items():
-        identity(name, s, want_steps=[1, 2] if name == "sde_window" else None)
-
+    samples = c2.single_cases(cases)
     # the und cache: a recompute that computes every prompt's und stream afresh, and a rollout that does too
-    s = samples["flow_grpo_cfg"]
-    identity("flow_grpo_cfg/recompute_without_und_cache", s, use_cache=False)
-    with cache_use(engine.model, False):
-        cold, = run([cases["flow_grpo_cfg"]])
-    checks.append(logprob_check(f"{prefix}/flow_grpo_cfg/rollout_without_und_cache", s.record.logprob,
-                                cold.record.logprob, 0.0))
+    c2.without_cache("flow_grpo_cfg", samples, cases, "und")
 
     progress(f"[C2] {prefix}: a group of 8 in one batch")
-    group = [request(cfg, 100 + k, guidance=5.0) for k in range(8)]
-    batched = run(group)
-    alone = [run([r])[0] for r in group]
-    sizes = sorted({b for s in batched for b in s.record.batch_sizes})
-    checks.append(exact_check(f"{prefix}/batch8/ran_as_one_batch", sizes == [8], f"batch sizes {sizes}"))
-    for k in (0, 7):
-        checks.append(logprob_check(f"{prefix}/batch8/sample{k}_vs_alone", alone[k].record.logprob,
-                                    batched[k].record.logprob, 0.0))
-        identity(f"batch8/sample{k}", batched[k])
-    serving = run(group, CaptureSpec(latents=True, batch_invariant=False))
-    checks.append(logprob_check(f"{prefix}/batch8_serving_batched/sample3_vs_alone", alone[3].record.logprob,
-                                serving[3].record.logprob, SERVING_BATCH_TOL))
+    c2.group_of_8([request(cfg, 100 + k, guidance=5.0) for k in range(8)], SERVING_BATCH_TOL)
 
     progress(f"[C2] {prefix}: the readable reference")
-    tol = REFERENCE_TOL[dname]
-    for name in ("flow_grpo_cfg", "dance_grpo_cfg", "sde_window"):
-        s = samples[name]
-        lp = reference_recompute(reference, s.request, [s.record.latents_at(i) for i in range(STEPS + 1)])
-        ref_lp = torch.tensor([float("nan") if x is None else float(x) for x in lp["vision"]])
-        checks.append(logprob_check(f"{prefix}/{name}/reference_recompute", s.record.logprob, ref_lp, tol))
-        res = ref.generate(reference, s.request)
-        ref_roll = torch.tensor([float("nan") if x is None else float(x) for x in res.logprobs["vision"]])
-        checks.append(logprob_check(f"{prefix}/{name}/reference_rollout", s.record.logprob, ref_roll, tol))
+    c2.against_reference(
+        ("flow_grpo_cfg", "dance_grpo_cfg", "sde_window"), samples,
+        lambda s: reference_recompute(reference, s.request,
+                                      [s.record.latents_at(i) for i in range(STEPS + 1)])["vision"],
+        lambda r: ref.generate(reference, r).logprobs["vision"], REFERENCE_TOL[dname])
 
     progress(f"[C2] {prefix}: after a weight update")
-    warm = request(cfg, 7, prompt_seed=9)
-    run([warm])  # the prompt's und K/V are now cached under policy-v1
-    with planted(fault):
-        update = engine.update_weights({"transformer": perturbed_state(state, 11)}, "policy-v2")
-    after, = run([warm])
-    checks.append(exact_check(f"{prefix}/weight_update/record_version", after.record.weights_version == "policy-v2",
-                              f"record carries {after.record.weights_version!r}, update {update}"))
-    identity("weight_update/recompute_without_und_cache", after, use_cache=False)
-    return checks
+    c2.after_weight_update(request(cfg, 7, prompt_seed=9), {"transformer": perturbed_state(state, 11)}, "und")
+    return c2.checks
 
 
 def run_c2(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
            fault: str | None, progress, **_) -> Report:
-    check_fault(fault)
+    check_fault("cosmos3", "C2", C2_FAULTS, fault)
     report = Report("cosmos3", "C2", {"variants": variants or "default", "checkpoint": checkpoint, "device": device,
                                       "dtypes": dtypes, "seed": seed, "fault": fault, "steps": STEPS})
     for vname, cfg, state in resolve_models(variants, checkpoint, seed):

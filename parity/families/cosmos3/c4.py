@@ -36,7 +36,7 @@ from manifests.cosmos3.sampling import Cosmos3GenerateRequest, UniPCConfig, late
 from manifests.cosmos3.sound import Cosmos3SoundConfig
 from manifests.parity import Tolerance, load_parity_contract
 from manifests.wan import WanVAEConfig
-from parity.artifacts import fmt_db, frames01, snr_db, video_similarity, write_and_read_back
+from parity.artifacts import fmt_db, frames01, png_frames_check, snr_db, video_similarity, write_and_read_back
 from parity.errors import SetupError
 from parity.families.cosmos3.c4_setup import (Components, EngineSide, ReferenceSide, SideOutput, check_geometry,
                                               conditioning_clip, resolve_components, synthetic_image)
@@ -155,16 +155,7 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
                               detail="PNG frames and WAV written atomically (no temp files left), read back equal "
                                      "to the quantised tensors" if intact else "a read-back artifact differs from "
                                      "the tensor it was written from, or a temp file was left behind"))
-    a, b = files["reference"]["frames"], files["optimized"]["frames"]
-    sim8 = video_similarity(a, b, 255.0)
-    ok = "shape_mismatch" not in sim8 and sim8["ssim_min"] >= bounds["min_ssim"] and \
-        sim8["psnr_db"] >= bounds["min_psnr"]
-    diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if a.shape == b.shape else -1
-    c = CheckResult(f"{prefix}/png_frames", ok, None, frame_tol, divergence=None if ok else "see frames",
-                    detail=f"uint8 PNG read-back: SSIM min {sim8['ssim_min']:.6f}, PSNR {fmt_db(sim8['psnr_db'])} dB"
-                           f" (data_range 255), max |diff| {diff} levels")
-    c.extra = {"ssim_min": sim8["ssim_min"], "psnr_db": str(sim8["psnr_db"]), "max_level_diff": diff}
-    checks.append(c)
+    checks.append(png_frames_check(prefix, files, bounds, frame_tol))
     if "pcm" in files["reference"] and "pcm" in files["optimized"]:
         pa, pb = files["reference"]["pcm"], files["optimized"]["pcm"]
         snr = snr_db(torch.from_numpy(pa.astype(np.float64)), torch.from_numpy(pb.astype(np.float64)))

@@ -8,20 +8,16 @@ need the `tokenizers` package (the `text` extra); without it they are left out a
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from parity.errors import SetupError
+from parity.processor_checks import (ProcessorSide, c0_sides, golden_prompts, golden_sides, image_from, on_both_sides,
+                                     sha256_check, with_processor_rows)
 from parity.report import CheckResult
 
 GOLDEN_TOKENIZER = Path(__file__).resolve().parents[3] / "golden" / "cosmos3" / "proc_wordlevel_tiny" / "upstream"
-
-
-def _sha256(x: torch.Tensor) -> str:
-    return hashlib.sha256(x.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
 def exact_check(name: str, got: Any, want: Any) -> CheckResult:
@@ -45,17 +41,10 @@ def exact_check(name: str, got: Any, want: Any) -> CheckResult:
 # the two sides behind one small adapter (they share no code; the adapter only renames)
 # ------------------------------------------------------------------------------------------------
 
-class Side:
-    def __init__(self, side: str, tokenizer_dir: Path | None):
-        self.side = side
-        if side == "reference":
-            from reference.cosmos3 import processor as mod
-            self.mod, self.proc = mod, mod.Cosmos3Processor(tokenizer_dir)
-        elif side == "optimized":
-            from optimized.models.cosmos3 import processor as mod
-            self.mod, self.proc = mod, mod.Cosmos3Processor(tokenizer_dir)
-        else:
-            raise SetupError(f"unknown side {side!r}")
+class Side(ProcessorSide):
+    """One side's processor behind the names the probe uses (the sides share no code; the adapter only renames)."""
+    MODULES = {"reference": "reference.cosmos3.processor", "optimized": "optimized.models.cosmos3.processor"}
+    PROCESSOR = "Cosmos3Processor"
 
     def tokenize(self, **kw) -> tuple[list[int], list[int]]:
         return self.proc.tokenize_prompt(**kw)
@@ -74,16 +63,6 @@ class Side:
         return a.pixels, [*a.canvas_hw, *a.content_hw]
 
 
-def image_from(stored: torch.Tensor, kind: str):
-    """The object a case's upstream call received, rebuilt from its stored tensor."""
-    if kind == "pil":
-        from PIL import Image
-        return Image.fromarray(stored.numpy())
-    if kind == "u8_hwc_np":
-        return stored.numpy()
-    return stored
-
-
 def clip_from(stored: torch.Tensor, kind: str):
     return [image_from(f, kind) for f in stored] if kind == "pil" else stored
 
@@ -99,18 +78,8 @@ def _prompt_kwargs(entry: dict) -> dict:
 def golden_probe(case, sides: tuple[str, ...]) -> list[CheckResult]:
     params = case.meta.get("params", {})
     results: list[CheckResult] = []
-    for side in sides:
-        try:
-            s = Side(side, case.path / "upstream")
-        except ImportError as e:
-            raise SetupError(f"golden case {case.path}: {e} (install the `text` extra)") from None
-        for p in params.get("prompts", []):
-            name = p["name"]
-            try:
-                cond, uncond = s.tokenize(**_prompt_kwargs(p))
-            except Exception as e:  # an exception is that check failing
-                results.append(CheckResult(f"{case.name}/{side}:ids_{name}", False, detail=f"{type(e).__name__}: {e}"))
-                continue
+    for side, s in golden_sides(case, sides, Side):
+        for name, (cond, uncond) in golden_prompts(case, side, lambda p: s.tokenize(**_prompt_kwargs(p)), results):
             results.append(exact_check(f"{case.name}/{side}:cond_ids_{name}", torch.tensor(cond),
                                        case.outputs[f"cond_ids_{name}"]))
             results.append(exact_check(f"{case.name}/{side}:uncond_ids_{name}", torch.tensor(uncond),
@@ -127,9 +96,7 @@ def golden_probe(case, sides: tuple[str, ...]) -> list[CheckResult]:
             lo, hi = a["band_rows"]
             results.append(exact_check(f"{case.name}/{side}:band_{name}", px[..., lo:hi, :],
                                        case.outputs[f"band_{name}"]))
-            ok = list(px.shape) == a["shape"] and _sha256(px) == a["sha256"]
-            results.append(CheckResult(f"{case.name}/{side}:pixels_{name}", ok,
-                                       detail="sha256 of all pixels equal" if ok else "sha256 / shape differ"))
+            results.append(sha256_check(f"{case.name}/{side}:pixels_{name}", px, a["shape"], a["sha256"]))
     return results
 
 
@@ -167,29 +134,21 @@ def processor_checks(progress: Callable[[str], None] = lambda m: None,
                      tokenizer_dir: Path | None = None) -> list[CheckResult]:
     """C0: the two processors on the same prompts (ids) and images (pixels), compared exactly."""
     checks: list[CheckResult] = []
-    try:
-        import tokenizers  # noqa: F401
-        tok_dir = tokenizer_dir or GOLDEN_TOKENIZER
-    except ImportError:
-        tok_dir = None
-        progress("[cosmos3 C0] processor token rows left out: `tokenizers` is not installed (the `text` extra)")
-    ref, opt = Side("reference", tok_dir), Side("optimized", tok_dir)
+    tok_dir, ref, opt = c0_sides(Side, tokenizer_dir, GOLDEN_TOKENIZER, "cosmos3", progress)
     if tok_dir is not None:
         for i, kw in enumerate(C0_PROMPTS):
             name = f"processor/prompt{i}"
-            try:
-                (rc, ru), (oc, ou) = ref.tokenize(**kw), opt.tokenize(**kw)
-            except Exception as e:
-                checks.append(CheckResult(name, False, detail=f"{type(e).__name__}: {e}"))
+            both = on_both_sides(name, lambda side: side.tokenize(**kw), ref, opt, checks)
+            if both is None:
                 continue
+            (rc, ru), (oc, ou) = both
             checks.append(exact_check(f"{name}:cond_ids", torch.tensor(oc), torch.tensor(rc)))
             checks.append(exact_check(f"{name}:uncond_ids", torch.tensor(ou), torch.tensor(ru)))
     for name, run in _c0_images():
-        try:
-            r, o = run(ref), run(opt)
-        except Exception as e:
-            checks.append(CheckResult(f"processor/{name}", False, detail=f"{type(e).__name__}: {e}"))
+        both = on_both_sides(f"processor/{name}", run, ref, opt, checks)
+        if both is None:
             continue
+        r, o = both
         if isinstance(r, tuple):
             checks.append(exact_check(f"processor/{name}:canvas", torch.tensor(o[1]), torch.tensor(r[1])))
             r, o = r[0], o[0]
@@ -199,10 +158,4 @@ def processor_checks(progress: Callable[[str], None] = lambda m: None,
 
 def with_processor_checks(run_c0: Callable) -> Callable:
     """The family's C0 runner plus the processor rows (on a plain run: no checkpoint, no planted fault)."""
-    def run(variants, checkpoint, device, dtypes, seed, fault, progress, **kw):
-        report = run_c0(variants, checkpoint, device, dtypes, seed, fault, progress, **kw)
-        if checkpoint is None and fault is None:
-            report.checks += processor_checks(progress)
-        return report
-    run.__doc__ = run_c0.__doc__
-    return run
+    return with_processor_rows(run_c0, lambda progress: processor_checks(progress))

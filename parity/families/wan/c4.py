@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from manifests.parity import Tolerance
-from parity.artifacts import fmt_db, frames01, video_similarity, write_and_read_back
+from parity.artifacts import fmt_db, frames01, png_frames_check, video_similarity, write_and_read_back
 from parity.errors import SetupError
 from parity.families.wan import faults
 from parity.families.wan.common import (DEFAULT_VARIANTS, contract_tolerance, engine_decode, engine_for, make_request,
@@ -78,16 +78,7 @@ def frame_checks(prefix: str, want: Decoded, got: Decoded, bounds: dict, latent_
                               detail="PNG frames written atomically (no temp files left), read back equal to the "
                                      "quantised tensors" if intact else "a read-back PNG differs from the tensor it "
                                      "was written from, or a temp file was left behind"))
-    a, b = files["reference"]["frames"], files["optimized"]["frames"]
-    sim8 = video_similarity(a, b, 255.0)
-    ok = "shape_mismatch" not in sim8 and sim8["ssim_min"] >= bounds["min_ssim"] and \
-        sim8["psnr_db"] >= bounds["min_psnr"]
-    diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if a.shape == b.shape else -1
-    c = CheckResult(f"{prefix}/png_frames", ok, None, frame_tol, divergence=None if ok else "see frames",
-                    detail=f"uint8 PNG read-back: SSIM min {sim8['ssim_min']:.6f}, PSNR {fmt_db(sim8['psnr_db'])} dB"
-                           f" (data_range 255), max |diff| {diff} levels")
-    c.extra = {"ssim_min": sim8["ssim_min"], "psnr_db": str(sim8["psnr_db"]), "max_level_diff": diff}
-    checks.append(c)
+    checks.append(png_frames_check(prefix, files, bounds, frame_tol))
     return checks
 
 

@@ -8,20 +8,16 @@ C0 rows (`processor_checks`): reference vs optimized, exact. Token rows need `to
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from parity.errors import SetupError
+from parity.processor_checks import (ProcessorSide, c0_sides, golden_prompts, golden_sides, image_from, on_both_sides,
+                                     sha256_check, with_processor_rows)
 from parity.report import CheckResult
 
 GOLDEN_TOKENIZER = Path(__file__).resolve().parents[3] / "golden" / "wan" / "proc_umt5" / "upstream"
-
-
-def _sha256(x: torch.Tensor) -> str:
-    return hashlib.sha256(x.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
 def exact_check(name: str, got: Any, want: torch.Tensor) -> CheckResult:
@@ -38,19 +34,10 @@ def exact_check(name: str, got: Any, want: torch.Tensor) -> CheckResult:
     return CheckResult(name, False, detail=f"{int(diff.sum())} of {want.numel()} differ, first at {first}")
 
 
-class Side:
-    """One side's processor behind the names the probe uses (the sides share no code)."""
-
-    def __init__(self, side: str, tokenizer_dir: Path | None):
-        self.side = side
-        if side == "reference":
-            from reference.wan import processor as mod
-            self.mod, self.proc = mod, mod.WanProcessor(tokenizer_dir)
-        elif side == "optimized":
-            from optimized.models.wan import processor as mod
-            self.mod, self.proc = mod, mod.WanProcessor(tokenizer_dir)
-        else:
-            raise SetupError(f"unknown side {side!r}")
+class Side(ProcessorSide):
+    """One side's processor behind the names the probe uses (the sides share no code; the adapter only renames)."""
+    MODULES = {"reference": "reference.wan.processor", "optimized": "optimized.models.wan.processor"}
+    PROCESSOR = "WanProcessor"
 
     def tokens(self, prompt: str, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [L], padded ids [n], mask [n])."""
@@ -68,30 +55,12 @@ class Side:
         return self.mod.clip_pixels(image) if self.side == "reference" else self.proc.clip_image(image)
 
 
-def image_from(stored: torch.Tensor, kind: str):
-    if kind == "pil":
-        from PIL import Image
-        return Image.fromarray(stored.numpy())
-    if kind == "u8_hwc_np":
-        return stored.numpy()
-    return stored
-
-
 def golden_probe(case, sides: tuple[str, ...]) -> list[CheckResult]:
     params = case.meta.get("params", {})
     results: list[CheckResult] = []
-    for side in sides:
-        try:
-            s = Side(side, case.path / "upstream")
-        except ImportError as e:
-            raise SetupError(f"golden case {case.path}: {e} (install the `text` extra)") from None
-        for p in params.get("prompts", []):
-            name = p["name"]
-            try:
-                ids, padded, mask = s.tokens(p["prompt"], p["max_sequence_length"])
-            except Exception as e:
-                results.append(CheckResult(f"{case.name}/{side}:ids_{name}", False, detail=f"{type(e).__name__}: {e}"))
-                continue
+    for side, s in golden_sides(case, sides, Side):
+        tokens = lambda p: s.tokens(p["prompt"], p["max_sequence_length"])
+        for name, (ids, padded, mask) in golden_prompts(case, side, tokens, results):
             for key, got in (("ids", ids), ("padded_ids", padded), ("mask", mask)):
                 results.append(exact_check(f"{case.name}/{side}:{key}_{name}", got, case.outputs[f"{key}_{name}"]))
         for im in params.get("vae_images", []):
@@ -103,9 +72,7 @@ def golden_probe(case, sides: tuple[str, ...]) -> list[CheckResult]:
             got = s.clip(image_from(case.inputs[f"image_{name}"], im["kind"]))
             want_rows = case.outputs[f"rows_{name}"]
             results.append(exact_check(f"{case.name}/{side}:rows_{name}", got[:, :, :want_rows.shape[2]], want_rows))
-            ok = list(got.shape) == im["shape"] and _sha256(got) == im["sha256"]
-            results.append(CheckResult(f"{case.name}/{side}:pixels_{name}", ok,
-                                       detail="sha256 of all pixels equal" if ok else "sha256 / shape differ"))
+            results.append(sha256_check(f"{case.name}/{side}:pixels_{name}", got, im["shape"], im["sha256"]))
     return results
 
 
@@ -122,20 +89,13 @@ def processor_checks(progress: Callable[[str], None] = lambda m: None,
     from PIL import Image
 
     checks: list[CheckResult] = []
-    try:
-        import tokenizers  # noqa: F401
-        tok_dir = tokenizer_dir or GOLDEN_TOKENIZER
-    except ImportError:
-        tok_dir = None
-        progress("[wan C0] processor token rows left out: `tokenizers` is not installed (the `text` extra)")
-    ref, opt = Side("reference", tok_dir), Side("optimized", tok_dir)
+    tok_dir, ref, opt = c0_sides(Side, tokenizer_dir, GOLDEN_TOKENIZER, "wan", progress)
     if tok_dir is not None:
         for name, prompt, n in C0_PROMPTS:
-            try:
-                r, o = ref.tokens(prompt, n), opt.tokens(prompt, n)
-            except Exception as e:
-                checks.append(CheckResult(f"processor/{name}", False, detail=f"{type(e).__name__}: {e}"))
+            both = on_both_sides(f"processor/{name}", lambda side: side.tokens(prompt, n), ref, opt, checks)
+            if both is None:
                 continue
+            r, o = both
             for key, rv, ov in zip(("ids", "padded_ids", "mask"), r, o):
                 checks.append(exact_check(f"processor/{name}:{key}", ov, rv))
     g = torch.Generator().manual_seed(11)
@@ -152,10 +112,4 @@ def processor_checks(progress: Callable[[str], None] = lambda m: None,
 
 def with_processor_checks(run_c0: Callable) -> Callable:
     """The family's C0 runner plus the processor rows (on a plain run: no checkpoint, no planted fault)."""
-    def run(variants, checkpoint, device, dtypes, seed, fault, progress, **kw):
-        report = run_c0(variants, checkpoint, device, dtypes, seed, fault, progress, **kw)
-        if checkpoint is None and fault is None:
-            report.checks += processor_checks(progress)
-        return report
-    run.__doc__ = run_c0.__doc__
-    return run
+    return with_processor_rows(run_c0, lambda progress: processor_checks(progress))
