@@ -20,7 +20,7 @@ import torch
 from manifests import ManifestError
 from manifests.parity import load_parity_contract
 from manifests.seedvr2 import list_variants, load_variant, nadit_key_shapes
-from parity.errors import SetupError
+from parity.errors import SetupError, UpstreamConversionFailed
 from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily, golden_probe
 from parity.localise import first_divergence
 from parity.metrics import compare, within
@@ -421,7 +421,7 @@ def _golden_weights(case, name: str, variant: str | None = None) -> tuple[object
     try:
         return convert_to_state_dict("seedvr2", case.meta["upstream_format"], path, variant=variant)
     except ConversionError as e:
-        raise SetupError(f"golden case {case.path}: {e}") from None
+        raise UpstreamConversionFailed(f"golden case {case.path}: {e}") from None
 
 
 def _nadit_call(model, case, k: int | list[int], **kw) -> torch.Tensor:

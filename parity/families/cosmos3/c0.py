@@ -13,7 +13,7 @@ from manifests import ManifestError
 from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 from manifests.parity import load_parity_contract
-from parity.errors import SetupError
+from parity.errors import SetupError, UpstreamConversionFailed
 from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3 import faults as fault_lib
 from parity.families.cosmos3.common import (DEFAULT_VARIANTS, cast_inputs, compare_predictions, load_optimized,
@@ -243,7 +243,9 @@ def golden_transformer_probe(case, sides) -> list[CheckResult]:
     try:  # any upstream format fvconvert knows (diffusers, diffusers-raw, framework, ...)
         cfg, state = convert_to_state_dict("cosmos3", case.meta["upstream_format"], case.path / "upstream")
         inp = golden_inputs(case).validate(cfg)
-    except (ConversionError, ManifestError) as e:
+    except ConversionError as e:
+        raise UpstreamConversionFailed(f"golden case {case.path}: {e}") from None
+    except ManifestError as e:
         raise SetupError(f"golden case {case.path}: {e}") from None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case.meta["dtype"]]
     tol = case.tolerance

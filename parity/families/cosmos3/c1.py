@@ -24,7 +24,7 @@ from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs
 from manifests.cosmos3.sampling import ActionSpec, Cosmos3GenerateRequest, UniPCConfig
 from manifests.parity import Tolerance, load_parity_contract
-from parity.errors import SetupError
+from parity.errors import SetupError, UpstreamConversionFailed
 from parity.families.cosmos3 import faults as fault_lib
 from parity.families.cosmos3.ar import ar_checks
 from parity.families.cosmos3 import cases as case_lib
@@ -312,7 +312,9 @@ def golden_generate_probe(case, sides) -> list[CheckResult]:
     try:
         cfg, state = convert_diffusers_dir_to_canonical_state_dict(case.path / "upstream")
         req = golden_request(case).validate(cfg)
-    except (ConversionError, ManifestError) as e:
+    except ConversionError as e:
+        raise UpstreamConversionFailed(f"golden case {case.path}: {e}") from None
+    except ManifestError as e:
         raise SetupError(f"golden case {case.path}: {e}") from None
     tol, out = case.tolerance, case.outputs
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[case.meta.get("dtype", "float32")]

@@ -105,10 +105,15 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                     req = make_request(m.cfg, **kw)
                     res = pipe.generate(req)
                     want = Decoded(res.latents, pipe.decode(res.latents))
-                    latents = engine.generate(req)["latents"]["vision"]
-                    with faults.planted_decode(fault):
-                        got = Decoded(latents, engine_decode(engine, latents))
-                        got2 = engine_decode(engine, latents, chunk_frames=2)
+                    try:  # an engine failure is this case's failed check, not a crash of the run
+                        latents = engine.generate(req)["latents"]["vision"]
+                        with faults.planted_decode(fault):
+                            got = Decoded(latents, engine_decode(engine, latents))
+                            got2 = engine_decode(engine, latents, chunk_frames=2)
+                    except Exception as e:  # noqa: BLE001
+                        report.checks.append(CheckResult(f"{prefix}/engine", False,
+                                                         detail=f"engine raised {type(e).__name__}: {e}"))
+                        continue
                     report.checks += frame_checks(prefix, want, got, bounds, latent_tol, Path(tmp), progress)
                     m2 = compare(got2, got.video)
                     report.checks.append(CheckResult(f"{prefix}/decode_chunk2", within(m2, latent_tol), m2,

@@ -26,7 +26,7 @@ from manifests.parity import METRICS, Tolerance
 from manifests.wan import (UMT5Config, WanDiTConfig, WanGenerateRequest, WanModelConfig,
                            canonical_key_shapes, dit_key_shapes, list_model_variants, list_variants,
                            load_model_variant, load_variant, umt5_key_shapes)
-from parity.errors import SetupError
+from parity.errors import SetupError, UpstreamConversionFailed
 from parity.family import DTYPE_NAMES
 from parity.localise import first_divergence
 from parity.weights import fan_in_init, random_state_dict
@@ -295,7 +295,9 @@ def convert_upstream(case, src) -> tuple[Any, dict[str, torch.Tensor]]:
 
     try:
         return convert_to_state_dict("wan", detect_format("wan", case.meta["upstream_format"], src), src)
-    except (ConversionError, ManifestError) as e:
+    except ConversionError as e:
+        raise UpstreamConversionFailed(f"golden case {case.path}: {src.name}/: {e}") from None
+    except ManifestError as e:
         raise SetupError(f"golden case {case.path}: {src.name}/: {e}") from None
 
 
