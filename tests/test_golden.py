@@ -85,15 +85,16 @@ def test_tampered_position_ids_fail(fvparity, tmp_path):
     assert len(fails) == 2 and all(":position_ids" in l for l in fails)  # both sides, nothing else
 
 
-def test_checkpoint_with_wrong_shape_is_setup_error(fvparity, tmp_path):
+def test_checkpoint_with_wrong_shape_is_a_failed_case(fvparity, tmp_path):
+    """The converters refusing a case's upstream weights is a failure of what is checked (exit 1, key named)."""
     case = copy_case(tmp_path)
     f = case / "upstream" / "diffusion_pytorch_model.safetensors"
     sd = load_file(str(f))
     sd["proj_in.bias"] = torch.zeros(3)
     save_file(sd, str(f))
     proc = fvparity("golden", str(case))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "proj_in.bias" in proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert "proj_in.bias" in proc.stdout
 
 
 def test_case_json_missing_key(fvparity, tmp_path):
