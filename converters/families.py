@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from converters.errors import ConversionError
+from manifests.checkpoint import part_names, part_of, split_by_part  # one part logic, shared with the reader
 
 
 @dataclass(frozen=True)
@@ -66,22 +67,17 @@ class Family:
     # ---- parts ----
     @property
     def part_names(self) -> tuple[str, ...]:
-        return tuple(p for p, _, _ in self.parts) or ("all",)
+        return part_names(self.parts)
 
     def part_of(self, key: str) -> str:
-        for name, pats, _ in self.parts:
-            if any(re.search(p, key) for p in pats):
-                return name
-        if not self.parts:
-            return "all"
-        raise ConversionError(f"{self.name}: canonical key {key!r} belongs to no part (family definition bug)")
+        name = part_of(self.parts, key)
+        if name is None:
+            raise ConversionError(f"{self.name}: canonical key {key!r} belongs to no part (family definition bug)")
+        return name
 
     def part_keys(self, cfg: Any) -> dict[str, list[str]]:
         """{part: its canonical keys for this config}, in part order; parts with no key are left out."""
-        out: dict[str, list[str]] = {p: [] for p in self.part_names}
-        for k in self.key_shapes(cfg):
-            out[self.part_of(k)].append(k)
-        return {p: ks for p, ks in out.items() if ks}
+        return split_by_part(self.parts, self.key_shapes(cfg), self.part_of)
 
     def part_descriptions(self) -> dict[str, str]:
         return {p: d for p, _, d in self.parts}

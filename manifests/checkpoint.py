@@ -72,6 +72,29 @@ COSMOS3_PARTS: tuple[Part, ...] = (
 )
 
 
+def part_names(parts: tuple[Part, ...]) -> tuple[str, ...]:
+    """The part names of a layout; a layout without parts has the one part "all"."""
+    return tuple(p for p, _, _ in parts) or ("all",)
+
+
+def part_of(parts: tuple[Part, ...], key: str) -> str | None:
+    """The part a canonical key belongs to (the first whose regexes match); None when no part claims it."""
+    import re
+
+    for name, pats, _ in parts:
+        if any(re.search(p, key) for p in pats):
+            return name
+    return None if parts else "all"
+
+
+def split_by_part(parts: tuple[Part, ...], keys, which: Callable[[str], str]) -> dict[str, list[str]]:
+    """{part: keys}, in part order; parts with no key are left out. `which` names a key's part (or raises)."""
+    out: dict[str, list[str]] = {p: [] for p in part_names(parts)}
+    for k in keys:
+        out[which(k)].append(k)
+    return {p: ks for p, ks in out.items() if ks}
+
+
 @dataclass(frozen=True)
 class ComponentLayout:
     """How one kind of component of a family is stored canonically."""
@@ -84,24 +107,17 @@ class ComponentLayout:
 
     @property
     def part_names(self) -> tuple[str, ...]:
-        return tuple(p for p, _, _ in self.parts) or ("all",)
+        return part_names(self.parts)
 
     def part_of(self, key: str) -> str:
-        import re
-
-        for name, pats, _ in self.parts:
-            if any(re.search(p, key) for p in pats):
-                return name
-        if not self.parts:
-            return "all"
-        raise CheckpointError(f"{self.family}: canonical key {key!r} belongs to no part (layout definition bug)")
+        name = part_of(self.parts, key)
+        if name is None:
+            raise CheckpointError(f"{self.family}: canonical key {key!r} belongs to no part (layout definition bug)")
+        return name
 
     def part_keys(self, cfg: Any) -> dict[str, list[str]]:
         """{part: its canonical keys for this config}, in part order; parts with no key are left out."""
-        out: dict[str, list[str]] = {p: [] for p in self.part_names}
-        for k in self.key_shapes(cfg):
-            out[self.part_of(k)].append(k)
-        return {p: ks for p, ks in out.items() if ks}
+        return split_by_part(self.parts, self.key_shapes(cfg), self.part_of)
 
 
 def _no_description(parse: Callable[[dict], Any]) -> Callable[[dict], Any]:
