@@ -56,6 +56,13 @@ CASES = {
                               config=SOUND, seed=301, shape=[1, 2, 200],
                               description="tiny AVAE SpecConvNeXt encoder: 200 stereo samples (right-padded to "
                               "210) -> posterior over [1, 8, 7]"),
+    # batch 2 at different loudness: normalize_volume divides by ONE peak over the whole batch (upstream), so
+    # sample 0 (gain 0.25) is encoded at a quarter of the level a per-sample peak would give it
+    "tiny_sound_encode_batch2": dict(family="cosmos3_sound", probe="cosmos3.sound_encode",
+                                     cls="Cosmos3AVAEAudioTokenizer", config=SOUND, seed=304, shape=[2, 2, 200],
+                                     gains=[0.25, 1.0],
+                                     description="tiny AVAE encoder, batch 2 at per-sample gains 0.25 / 1.0: the "
+                                     "volume is normalised by one peak over the whole batch -> posterior [2, 8, 7]"),
 }
 
 
@@ -103,7 +110,10 @@ def make_inputs(spec: dict) -> dict[str, torch.Tensor]:
     shape = spec["shape"]
     if spec["probe"] in ("wan.vae_encode", "cosmos3.sound_encode"):
         name = "video" if spec["probe"] == "wan.vae_encode" else "audio"
-        return {name: torch.rand(shape, generator=g) * 2 - 1}
+        x = torch.rand(shape, generator=g) * 2 - 1
+        if "gains" in spec:  # per-sample loudness (batch cases)
+            x = x * torch.tensor(spec["gains"]).view(-1, *([1] * (x.ndim - 1)))
+        return {name: x}
     return {"latents": torch.randn(shape, generator=g)}
 
 
@@ -144,7 +154,8 @@ def build_case(name: str, out_root: Path) -> Path:
                      "torch": torch.__version__},
         "upstream_format": "diffusers", "dtype": "float32", "seed": spec["seed"],
         "tolerance": {"rel_l2": REL_L2_TOL},
-        "params": {"sample_seed": spec["seed"] + 2} if spec["probe"].endswith("encode") else {},
+        "params": ({"sample_seed": spec["seed"] + 2} | ({"gains": spec["gains"]} if "gains" in spec else {})
+                   if spec["probe"].endswith("encode") else {}),
         "description": spec["description"],
     }
     (case / "case.json").write_text(json.dumps(meta, indent=2) + "\n")
