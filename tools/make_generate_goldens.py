@@ -16,7 +16,9 @@ so upstream's ``_keep_in_fp32_modules`` keeps the time embedder in fp32 as a rea
   * sound_tokenizer (sound cases): a tiny decoder-only ``Cosmos3AVAEAudioTokenizer`` (sampling_rate 150, hop 6 =
     25 latent Hz); the pipeline always decodes sound, the final sound latents are captured at ``decode_sound``;
   * scheduler: ``UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", ...)`` built from
-    the case's ``params.scheduler`` (field names of ``manifests/cosmos3/sampling.py:UniPCConfig``);
+    the case's ``params.scheduler`` (field names of ``manifests/cosmos3/sampling.py:UniPCConfig``); a case with
+    ``request_schedule="defaults"`` stores ``params.scheduler = {}`` (the request keeps UniPCConfig's defaults) and
+    builds upstream's from the docs' kwargs alone (``upstream_run.scheduler.kwargs``), diffusers' defaults otherwise;
   * text_tokenizer: a stub (``convert_tokens_to_ids`` / ``eos_token_id`` only); ``tokenize_prompt`` is replaced on
     the pipeline instance so that it returns the stored id lists, and a forward pre-hook on the transformer checks
     that every call receives exactly those ids.
@@ -70,6 +72,11 @@ UNIPC_FIELDS = {
     "use_native_flow_schedule": False,
 }
 SHIPPED = dict(use_karras_sigmas=True, sigma_min=0.147, sigma_max=200.0, flow_shift=1.0)
+# The docs' scheduler for t2v / v2v / action: UniPCMultistepScheduler(use_flow_sigmas=True,
+# prediction_type="flow_prediction", flow_shift=10.0), every other field at diffusers' own default. A case with
+# `request_schedule="defaults"` builds exactly this upstream and stores `params.scheduler = {}`, so the probe's
+# request takes the manifest's defaults (manifests/solvers.py:UniPCConfig) and is compared with it.
+DOCS_T2V_SCHEDULER_KWARGS = dict(flow_shift=10.0)
 
 # Tiny Wan2.2-geometry VAE (weights irrelevant to the outputs; only the latent shape matters).
 VAE_CONFIG = dict(
@@ -163,6 +170,28 @@ CASES: dict[str, dict[str, Any]] = {
                     "pipeline's own seeded draw (generator seed 99), 5 frames 32x48 (latent [1,48,2,2,3]), 3 steps, "
                     "CFG 4.0",
     ),
+    # ---- schedule defaults and Karras with a shift (issue 11: mutation survivors)
+    "gen_t2v_karras_shift5": dict(
+        seed=7009,
+        transformer=dict(_BASE),
+        pipeline=dict(num_frames=5, height=32, width=32, fps=24.0, num_inference_steps=3, guidance_scale=3.0,
+                      scheduler=dict(SHIPPED, flow_shift=5.0), enable_sound=False, image=False, action=None),
+        text_len=7, negative_text_len=5,
+        description="text-to-video, Karras sigmas (sigma 0.147..200) with flow_shift 5: upstream IGNORES "
+                    "flow_shift on the Karras path (sigmas = karras / (karras + 1)), 5 frames 32x32 (latent "
+                    "[1,48,2,2,2]), 3 steps, CFG 3.0",
+    ),
+    "gen_t2v_default_schedule": dict(
+        seed=7010, request_schedule="defaults",
+        transformer=dict(_BASE),
+        pipeline=dict(num_frames=5, height=32, width=32, fps=24.0, num_inference_steps=3, guidance_scale=4.5,
+                      scheduler=dict(DOCS_T2V_SCHEDULER_KWARGS), enable_sound=False, image=False, action=None),
+        text_len=6, negative_text_len=4,
+        description="text-to-video whose request leaves the schedule at its defaults (params.scheduler = {}); "
+                    "upstream runs the docs' scheduler UniPCMultistepScheduler(use_flow_sigmas=True, "
+                    "prediction_type='flow_prediction', flow_shift=10.0), every other field diffusers' default; "
+                    "5 frames 32x32, 3 steps, CFG 4.5",
+    ),
     "gen_forward_dynamics": dict(
         seed=7005,
         transformer=dict(
@@ -226,7 +255,20 @@ def full_scheduler(sched: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def make_scheduler(up, sched: dict[str, Any]):
+def upstream_scheduler_of(params: dict[str, Any], upstream_run: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The kwargs upstream's scheduler was built with when the request left the schedule at its defaults
+    (`params.scheduler == {}`); None for ordinary cases (the scheduler is params.scheduler)."""
+    if params["scheduler"]:
+        return None
+    kw = ((upstream_run or {}).get("scheduler") or {}).get("kwargs")
+    if kw is None:
+        raise ValueError("a case with params.scheduler = {} must record upstream_run.scheduler.kwargs")
+    return dict(kw)
+
+
+def make_scheduler(up, sched: dict[str, Any], upstream_kwargs: dict[str, Any] | None = None):
+    if upstream_kwargs is not None:  # diffusers' own defaults for every field the docs do not set
+        return up["UniPC"](use_flow_sigmas=True, prediction_type="flow_prediction", **upstream_kwargs)
     s = full_scheduler(sched)
     return up["UniPC"](
         num_train_timesteps=s["num_train_timesteps"], solver_order=s["solver_order"], solver_type=s["solver_type"],
@@ -269,7 +311,7 @@ def resolve(spec: dict[str, Any], tcfg: dict[str, Any]) -> dict[str, Any]:
     params = {
         "num_frames": num_frames, "height": int(p["height"]), "width": int(p["width"]), "fps": float(p["fps"]),
         "num_inference_steps": int(p["num_inference_steps"]), "guidance_scale": float(p["guidance_scale"]),
-        "scheduler": full_scheduler(p["scheduler"]),
+        "scheduler": {} if spec.get("request_schedule") == "defaults" else full_scheduler(p["scheduler"]),
         "latent_frames": lat_t, "latent_height": lat_h, "latent_width": lat_w, "sound_frames": sound_frames,
         "vision_condition_frames": cond, "action": action,
     }
@@ -323,15 +365,17 @@ def make_inputs(spec: dict[str, Any], tcfg: dict[str, Any], params: dict[str, An
 # the probe: one end-to-end pipeline run with explicit latents / ids, instrumented
 
 
-def build_pipeline(up, transformer, params: dict[str, Any], aux_seed: int):
+def build_pipeline(up, transformer, params: dict[str, Any], aux_seed: int,
+                   upstream_kwargs: dict[str, Any] | None = None):
     torch.manual_seed(aux_seed)  # VAE / sound-decoder init: irrelevant to the outputs (checked)
     vae = up["VAE"](**VAE_CONFIG).eval()
     snd = up["AVAE"](vocoder_input_dim=transformer.config.sound_dim, **SOUND_TOKENIZER_CONFIG).eval() \
         if params["sound_frames"] else None
     return up["pmod"].Cosmos3OmniPipeline(
         transformer=transformer, text_tokenizer=_StubTokenizer(), vae=vae,
-        scheduler=make_scheduler(up, params["scheduler"]), sound_tokenizer=snd, enable_safety_checker=False,
-        use_native_flow_schedule=bool(params["scheduler"]["use_native_flow_schedule"]),
+        scheduler=make_scheduler(up, params["scheduler"], upstream_kwargs), sound_tokenizer=snd,
+        enable_safety_checker=False,
+        use_native_flow_schedule=bool(params["scheduler"].get("use_native_flow_schedule", False)),  # pipeline default
     )
 
 
@@ -344,8 +388,9 @@ def _conditioning_image(params: dict[str, Any]):
 
 @torch.no_grad()
 def run_probe(up, transformer, params: dict[str, Any], inputs: dict[str, torch.Tensor], aux_seed: int,
-              image_in_spec: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    pipe = build_pipeline(up, transformer, params, aux_seed)
+              image_in_spec: bool, upstream_kwargs: dict[str, Any] | None = None
+              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    pipe = build_pipeline(up, transformer, params, aux_seed, upstream_kwargs)
     pipe.set_progress_bar_config(disable=True)
     cond_ids = [int(i) for i in inputs["input_ids"].tolist()]
     uncond_ids = [int(i) for i in inputs["negative_input_ids"].tolist()]
@@ -542,7 +587,9 @@ def _case_json(up, spec: dict[str, Any], params: dict[str, Any]) -> dict[str, An
             "sound_tokenizer": ({"class": "Cosmos3AVAEAudioTokenizer", "config": SOUND_TOKENIZER_CONFIG}
                                 if params["sound_frames"] else None),
             "scheduler": {"class": "UniPCMultistepScheduler", "extra": {"use_flow_sigmas": True,
-                                                                        "prediction_type": "flow_prediction"}},
+                                                                        "prediction_type": "flow_prediction"},
+                          **({"kwargs": dict(spec["pipeline"]["scheduler"])}
+                             if spec.get("request_schedule") == "defaults" else {})},
             "conditioning_image": bool(spec["pipeline"].get("image")),
             "action_resolution_tier": 256 if params["action"] else None,
         },
@@ -594,13 +641,14 @@ def build_case(name: str, spec: dict[str, Any], out_root: Path) -> Path:
     inputs = make_inputs(spec, tcfg, params)
     image = bool(spec["pipeline"].get("image"))
 
-    out, diag = run_probe(up, transformer, params, inputs, seed + 2, image)
+    ukw = dict(spec["pipeline"]["scheduler"]) if spec.get("request_schedule") == "defaults" else None
+    out, diag = run_probe(up, transformer, params, inputs, seed + 2, image, ukw)
     notes = _sanity(params, inputs, out, diag)
     torch.manual_seed(12345)  # global RNG must not matter either
-    out2, _ = run_probe(up, transformer, params, inputs, seed + 2, image)
+    out2, _ = run_probe(up, transformer, params, inputs, seed + 2, image, ukw)
     bad = _same(out, out2)
     assert not bad, f"{name}: second run differs in {bad}"
-    out3, _ = run_probe(up, transformer, params, inputs, seed + 999, image)  # other VAE / sound-decoder weights
+    out3, _ = run_probe(up, transformer, params, inputs, seed + 999, image, ukw)  # other VAE / sound-decoder weights
     bad = _same(out, out3)
     assert not bad, f"{name}: outputs depend on VAE / sound-decoder weights: {bad}"
 
@@ -653,7 +701,8 @@ def verify_case(case_dir: Path) -> bool:
     inputs = load_file(str(case_dir / "inputs.safetensors"))
     ref = load_file(str(case_dir / "outputs.safetensors"))
     image = bool(case.get("upstream_run", {}).get("conditioning_image", bool(params["vision_condition_frames"])))
-    out, diag = run_probe(up, transformer, params, inputs, 4242, image)
+    out, diag = run_probe(up, transformer, params, inputs, 4242, image,
+                          upstream_scheduler_of(params, case.get("upstream_run")))
     _sanity(params, inputs, out, diag)
     bad = _same(out, ref)
     print(f"{'OK  ' if not bad else 'FAIL'} {case_dir}" + ("" if not bad else f": mismatch in {bad}"))
@@ -664,7 +713,8 @@ def print_schedules() -> None:
     up = _import_upstream()
     for name, spec in CASES.items():
         s = full_scheduler(spec["pipeline"]["scheduler"])
-        sch = make_scheduler(up, s)
+        sch = make_scheduler(up, s, dict(spec["pipeline"]["scheduler"])
+                             if spec.get("request_schedule") == "defaults" else None)
         N = spec["pipeline"]["num_inference_steps"]
         if s["use_native_flow_schedule"]:
             sch.set_timesteps(N, sigmas=np.linspace(1.0 - 1.0 / s["num_train_timesteps"], 0.0, N + 1)[:-1])

@@ -471,6 +471,54 @@ def verify_case(case_dir: Path) -> bool:
     return ok
 
 
+# --------------------------------------------------------------------------------------------------------------
+# probe `cosmos3.convert_dtypes`: which tensors upstream keeps in float32 when loading in bfloat16
+
+
+DTYPE_CASE = "conv_bf16_keep_fp32"
+DTYPE_CASE_SEED = 7101
+DTYPE_CASE_CONFIG = dict(  # every module kind: und / gen streams, sound and action heads, time embedder
+    hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    intermediate_size=24, vocab_size=32, latent_channel=4, latent_patch_size=2, patch_latent_dim=16,
+    rope_axes_dim=[4, 2, 2], sound_gen=True, sound_dim=4, action_gen=True, action_dim=3, num_embodiment_domains=2,
+)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def build_dtype_case(out_root: Path) -> Path:
+    """upstream/ = a tiny fp32 save_pretrained; outputs = the dtype of every upstream key after
+    `Cosmos3OmniTransformer.from_pretrained(upstream, torch_dtype=torch.bfloat16)` (0 float32, 1 bfloat16), in
+    the order of params.upstream_keys: what upstream's `_keep_in_fp32_modules` keeps in float32."""
+    diffusers, Transformer, _ = _import_upstream()
+    _setup_determinism()
+    torch.manual_seed(DTYPE_CASE_SEED)
+    model = Transformer(**DTYPE_CASE_CONFIG)
+    randomize_weights(model, DTYPE_CASE_SEED)  # distinct values: the probe matches converted tensors by value
+    case_dir = out_root / DTYPE_CASE
+    if case_dir.exists():
+        shutil.rmtree(case_dir)
+    model.save_pretrained(case_dir / "upstream", safe_serialization=True)
+    loaded = Transformer.from_pretrained(str(case_dir / "upstream"), torch_dtype=torch.bfloat16)
+    state = loaded.state_dict()
+    keys = sorted(load_file(str(case_dir / "upstream" / "diffusion_pytorch_model.safetensors")))
+    codes = torch.tensor([DTYPE_CODES[state[k].dtype] for k in keys], dtype=torch.int64)
+    assert 0 < int((codes == 0).sum()) < len(keys), "the case must hold both float32 and bfloat16 tensors"
+    save_file({}, str(case_dir / "inputs.safetensors"), metadata={"format": "pt"})
+    save_file({"upstream_dtype_codes": codes}, str(case_dir / "outputs.safetensors"), metadata={"format": "pt"})
+    meta = {"family": "cosmos3", "probe": "cosmos3.convert_dtypes",
+            "upstream": {"package": "diffusers", "version": diffusers.__version__, "class": "Cosmos3OmniTransformer",
+                         "torch": torch.__version__},
+            "upstream_format": "diffusers", "dtype": "bfloat16", "seed": DTYPE_CASE_SEED,
+            "tolerance": {"rel_l2": 0.0},
+            "params": {"upstream_keys": keys, "keep_in_fp32_modules": list(Transformer._keep_in_fp32_modules or [])},
+            "description": "converting to bfloat16 keeps in float32 exactly the tensors diffusers' "
+                           "from_pretrained(torch_dtype=torch.bfloat16) keeps in float32 (_keep_in_fp32_modules)"}
+    (case_dir / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
+    fp32 = [k for k, c in zip(keys, codes.tolist()) if c == 0]
+    print(f"{DTYPE_CASE}: {len(keys)} keys, float32 kept: {fp32} -> {case_dir}")
+    return case_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="output root, e.g. golden/cosmos3")
@@ -480,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", type=Path, nargs="+", metavar="CASE_DIR",
                     help="re-run upstream from these case dirs and require bit-exact outputs")
     ap.add_argument("--list", action="store_true", help="list committed cases")
+    ap.add_argument("--dtype-case", action="store_true",
+                    help=f"build only {DTYPE_CASE} (probe cosmos3.convert_dtypes) under --out")
     a = ap.parse_args(argv)
 
     if a.list:
@@ -490,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all([verify_case(d) for d in a.verify]) else 1
     if a.out is None:
         ap.error("--out is required (or use --verify / --list)")
+    if a.dtype_case:
+        build_dtype_case(a.out)
+        return 0
     if a.config_json is not None:
         if not a.name:
             ap.error("--config-json needs --name")

@@ -78,6 +78,131 @@ def build_case(name: str, spec: dict, out: Path) -> None:
     print(f"wrote {case}: prompt {spec['prompt_len']} tokens, greedy {tokens.tolist()}")
 
 
+# --------------------------------------------------------------------------------------------------------------
+# probe `cosmos3.sampling`: the sampling filters (temperature, top-k, top-p) exactly as transformers' generate
+# builds and applies them for do_sample=True
+
+
+V_SAMPLING = 24
+SAMPLING_SEED = 8103
+# one filter setting per row of the output: which logits row, and the request's temperature / top_k / top_p
+SAMPLING_SETTINGS = (
+    dict(row=0, temperature=1.0, top_k=5, top_p=1.0),    # top-k alone: the k-th token survives
+    dict(row=1, temperature=0.7, top_k=3, top_p=1.0),    # a tie AT the k-th value: every tied token survives
+    dict(row=1, temperature=1.0, top_k=4, top_p=1.0),    # k-th value tied with the (k-1)-th and (k+1)-th
+    dict(row=2, temperature=0.5, top_k=0, top_p=0.8),    # temperature then top-p: sharper -> fewer kept
+    dict(row=2, temperature=2.0, top_k=0, top_p=0.6),    # temperature then top-p: flatter -> more kept
+    dict(row=0, temperature=0.6, top_k=8, top_p=0.7),    # all three, upstream's order
+    dict(row=3, temperature=1.7, top_k=10, top_p=0.75),  # all three, temperature > 1
+    dict(row=3, temperature=0.4, top_k=6, top_p=0.9),    # all three, temperature < 1
+)
+
+
+def sampling_logits() -> torch.Tensor:
+    """Rows: 0 and 3 random (std 2); 1 with ties (values 4, 3, 2, 2, 2 at the top, the k-th of k=3 and k=4 tied);
+    2 a slowly decaying ladder (temperature moves many tokens across a top-p cut)."""
+    g = torch.Generator().manual_seed(SAMPLING_SEED)
+    r0 = 2.0 * torch.randn(V_SAMPLING, generator=g)
+    tied = torch.randn(V_SAMPLING, generator=g) * 0.5 - 1.0
+    top = torch.tensor([4.0, 3.0, 2.0, 2.0, 2.0])
+    r1 = tied.clone()
+    r1[torch.randperm(V_SAMPLING, generator=g)[:5]] = top  # the tied tokens spread over the vocabulary
+    r2 = (3.0 - 0.35 * torch.arange(V_SAMPLING, dtype=torch.float32))[torch.randperm(V_SAMPLING, generator=g)]
+    r3 = 2.0 * torch.randn(V_SAMPLING, generator=g)
+    return torch.stack([r0, r1, r2, r3]).contiguous()
+
+
+def _support(x: torch.Tensor) -> frozenset:
+    return frozenset(torch.isfinite(x).nonzero().flatten().tolist())
+
+
+def _alternatives(row: torch.Tensor, t: float, k: int, p: float) -> dict[str, frozenset]:
+    """Supports a port gets by the two slips the case must separate (computed here only to prove the case
+    discriminates; never stored): top-k with `<=` at the k-th value, temperature after the filters."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    out = {}
+    if k:
+        x = row[None] / t
+        kth = torch.topk(x, k).values[..., -1:]
+        out["top_k_drops_kth"] = _support(x.masked_fill(x <= kth, float("-inf"))[0])
+    if p < 1:
+        x = row[None].clone()
+        if k:
+            x = TopKLogitsWarper(k)(ids, x)
+        out["temperature_last"] = _support(TopPLogitsWarper(p)(ids, x)[0])
+    return out
+
+
+def _top_p_margin(scores_before_top_p: torch.Tensor, p: float) -> float:
+    """Distance of top_p from every cumulative mass of the distribution top-p sees (the cut must not sit on a
+    rounding edge, where a cumulative sum in another order could round across it)."""
+    probs = scores_before_top_p.softmax(-1).sort(descending=True).values
+    cum = probs.cumsum(-1)
+    return float((cum - p).abs().min())
+
+
+def build_sampling_case(out: Path) -> None:
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import Cosmos3OmniConfig, Cosmos3OmniForConditionalGeneration, GenerationConfig
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    # a tiny model only to ask transformers' own generate path which processors it applies, in which order
+    text = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                intermediate_size=16, vocab_size=V_SAMPLING,
+                rope_parameters={"rope_theta": 1e4, "rope_type": "default", "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True})
+    torch.manual_seed(SAMPLING_SEED)
+    cfg = Cosmos3OmniConfig(text_config=text, vision_config={**VISION, "out_hidden_size": 16})
+    model = Cosmos3OmniForConditionalGeneration(cfg).eval()
+    logits = sampling_logits()
+    prompt = torch.tensor([[1, 2, 3]])
+    probs, chains, notes = [], [], []
+    for i, s in enumerate(SAMPLING_SETTINGS):
+        gc = GenerationConfig(do_sample=True, temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+                              max_new_tokens=1, eos_token_id=None, pad_token_id=0, output_logits=True,
+                              output_scores=True, return_dict_in_generate=True)
+        procs = model._get_logits_processor(generation_config=gc, input_ids_seq_length=prompt.shape[1],
+                                            encoder_input_ids=prompt, logits_processor=LogitsProcessorList(),
+                                            device="cpu")
+        # the same list must be what generate applies: its raw logits through `procs` give its scores exactly
+        with torch.no_grad():
+            g = model.generate(input_ids=prompt, generation_config=gc)
+        assert torch.equal(procs(prompt, g.logits[0].float()), g.scores[0].float()), f"setting {i}: generate differs"
+        row = logits[s["row"]]
+        scores = procs(prompt, row[None].clone())[0]
+        chains.append([type(pr).__name__ for pr in procs])
+        # every non-trivial setting must separate upstream from the slips it targets
+        kept = _support(scores)
+        for slip, alt in _alternatives(row, s["temperature"], s["top_k"], s["top_p"]).items():
+            assert alt != kept or (slip == "temperature_last" and s["temperature"] == 1.0), (i, slip)
+        if s["top_p"] < 1:
+            before = LogitsProcessorList(procs[:-1])(prompt, row[None].clone())[0]  # what TopPLogitsWarper receives
+            margin = _top_p_margin(before, s["top_p"])
+            assert margin > 1e-3, f"setting {i}: top_p {s['top_p']} within {margin:.1e} of a cumulative mass"
+            notes.append(f"s{i} top-p margin {margin:.3f}")
+        probs.append(scores.softmax(-1))
+        notes.append(f"s{i} keeps {len(kept)}")
+    case = out / "reason_sampling_warpers"
+    (case / "upstream").mkdir(parents=True, exist_ok=True)
+    (case / "upstream" / "logits_processors.json").write_text(json.dumps(
+        [{"setting": i, "processors": c} for i, c in enumerate(chains)], indent=1) + "\n")
+    save_file({"logits": logits}, str(case / "inputs.safetensors"))
+    save_file({"probs": torch.stack(probs).contiguous()}, str(case / "outputs.safetensors"))
+    meta = {"family": "cosmos3", "probe": "cosmos3.sampling",
+            "upstream": {"package": "transformers", "version": transformers.__version__,
+                         "class": "GenerationMixin._get_logits_processor (do_sample=True)",
+                         "torch": torch.__version__},
+            "upstream_format": "logits_processors", "dtype": "float32", "seed": SAMPLING_SEED,
+            "tolerance": {"rel_l2": 1e-6}, "params": {"settings": list(SAMPLING_SETTINGS)},
+            "description": "the AR sampling filters against transformers' generate: temperature, top-k (ties at "
+                           "the k-th value), top-p, in upstream's order; probs = softmax of the processed scores"}
+    (case / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {case}: {'; '.join(notes)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("golden/cosmos3"))
@@ -91,6 +216,8 @@ def main() -> None:
     for name, spec in CASES.items():
         if args.only in (None, name):
             build_case(name, spec, args.out)
+    if args.only in (None, "reason_sampling_warpers"):
+        build_sampling_case(args.out)
 
 
 if __name__ == "__main__":

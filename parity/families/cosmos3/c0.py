@@ -270,4 +270,38 @@ def golden_transformer_probe(case, sides) -> list[CheckResult]:
     return results
 
 
-PROBES = {"cosmos3.transformer": golden_transformer_probe}
+def golden_convert_dtypes_probe(case, sides) -> list[CheckResult]:
+    """fvconvert to bfloat16 keeps in float32 exactly the tensors upstream's from_pretrained(torch_dtype=bfloat16)
+    keeps in float32. A canonical tensor is matched to its upstream key by value (the case's weights are distinct
+    random values; a fused tensor matches none, and upstream holds its parts in bfloat16). Conversion is shared by
+    both sides, so the check is the converter's, once."""
+    from safetensors.torch import load_file
+
+    from converters import ConversionError, convert_to_state_dict
+
+    try:
+        keys, codes = case.meta["params"]["upstream_keys"], case.outputs["upstream_dtype_codes"].tolist()
+        upstream = load_file(str(case.path / "upstream" / "diffusion_pytorch_model.safetensors"))
+        _, source = convert_to_state_dict("cosmos3", case.meta["upstream_format"], case.path / "upstream")
+        _, bf16 = convert_to_state_dict("cosmos3", case.meta["upstream_format"], case.path / "upstream",
+                                        dtype="bfloat16")
+    except ConversionError as e:
+        raise UpstreamConversionFailed(f"golden case {case.path}: {e}") from None
+    except (KeyError, OSError) as e:
+        raise SetupError(f"golden case {case.path}: incomplete cosmos3.convert_dtypes case ({e})") from None
+    if len(keys) != len(codes) or set(keys) != set(upstream):
+        raise SetupError(f"golden case {case.path}: params.upstream_keys do not match upstream/'s keys")
+    kept_fp32 = [upstream[k] for k, c in zip(keys, codes) if c == 0]
+    wrong = []
+    for k, x in bf16.items():
+        want = torch.float32 if any(x.shape == u.shape and torch.equal(source[k], u) for u in kept_fp32) \
+            else torch.bfloat16
+        if x.dtype != want:
+            wrong.append(f"{k} {str(x.dtype).removeprefix('torch.')} (upstream {str(want).removeprefix('torch.')})")
+    n32 = sum(x.dtype == torch.float32 for x in bf16.values())
+    return [CheckResult(f"{case.name}/converter:bf16_dtypes", not wrong,
+                        detail=f"{len(bf16)} tensors, {n32} kept float32 as upstream" if not wrong else
+                        f"{len(wrong)} tensor(s) in the wrong dtype: {'; '.join(wrong[:4])}")]
+
+
+PROBES = {"cosmos3.transformer": golden_transformer_probe, "cosmos3.convert_dtypes": golden_convert_dtypes_probe}

@@ -3,16 +3,18 @@
 Cases (parity/families/cosmos3/cases.py): the anchor loops (one request; three concurrent requests at different
 start times; both CFG policies; i2v; sound; each action mode; the shipped Karras schedule) and the loops generated
 by rule with a fixed seed (guidance 1 / < 1 / > 1, an unguided request at every batch position, one-row actions,
-images, conditioned frames, one-token prompt edits, native / Karras schedules), `--cases ci` (every rule once) or
-`full`. Each request is compared with its own solo reference run: the timesteps fed to the model and the initial
-noise exactly, then the latents after every step. The first divergent step is localised to a layer by replaying
-the REAL batched call of that step (the batch mates the scheduler ran it with, from the trace.step events, through
-the same CFG policy) against the reference's forward. Upstream anchors: the seeded `cosmos3.generate` goldens in
-UPSTREAM_ANCHORS run in C1 too, so logic both sides share (manifests) is held to diffusers.
+images, conditioned frames, one-token prompt edits, native / Karras schedules, the same shapes at another fps on a
+warm engine), `--cases ci` (every rule once) or `full`. Each request is compared with its own solo reference run:
+the timesteps fed to the model and the initial noise exactly, then the latents after every step. The first
+divergent step is localised to a layer by replaying the REAL batched call of that step (the batch mates the
+scheduler ran it with, from the trace.step events, through the same CFG policy) against the reference's forward.
+Upstream anchors: the seeded `cosmos3.generate` goldens in UPSTREAM_ANCHORS run in C1 too, so logic both sides
+share (manifests) is held to diffusers.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -207,10 +209,23 @@ def compare_runs(prefix: str, ref_run: SideRun, eng_run: SideRun, tol: Tolerance
 
 
 def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: str = "eager", cases: str = "ci",
-           only: tuple[str, ...] | None = None) -> Report:
+           only: tuple[str, ...] | None = None, plan: str | None = None) -> Report:
     """`cases`: the case matrix ("ci": every rule once, "full"); `only`: run just the loop cases (and upstream
     anchors) whose names start with one of these, and skip the AR checks unless "ar" is among them (negative
-    controls and the mutation runner use it to stay small)."""
+    controls and the mutation runner use it to stay small). `plan` (e.g. "cfgp2,ulysses2"): the loop cases on
+    every rank of the plan (gloo) vs the reference and vs one process (parallel.py)."""
+    if plan or fault in fault_lib.PARALLEL_FAULT_AXES:
+        from parity.families.cosmos3 import parallel
+        models = resolve_models(variants, checkpoint, seed)
+        parsed = parallel.parse_plan(plan or "", models, device, fault)
+        if parsed.world_size > 1:
+            if graph != "eager":
+                raise SetupError(f"--graph {graph} under a plan is not implemented for cosmos3 yet (SP runs eager)")
+            report = Report("cosmos3", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
+                                              "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint,
+                                              "fault": fault, "steps": STEPS, "cases": cases})
+            return parallel.run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress, cases,
+                                        lambda name: only is None or any(name.startswith(o) for o in only))
     if fault is not None and fault not in fault_lib.COSMOS3_C1_FAULTS:
         raise SetupError(f"unknown C1 fault {fault!r}; known: {', '.join(fault_lib.COSMOS3_C1_FAULTS)}")
     if cases not in case_lib.MATRICES:
@@ -362,4 +377,61 @@ def golden_generate_probe(case, sides) -> list[CheckResult]:
     return results
 
 
-PROBES = {"cosmos3.generate": golden_generate_probe}
+# ------------------------------------------------------------------------------------------------
+# Upstream golden probe `cosmos3.sampling` (transformers' generate sampling filters, do_sample=True)
+# ------------------------------------------------------------------------------------------------
+
+@contextmanager
+def recorded_multinomial(seen: list[torch.Tensor]):
+    """`torch.multinomial` replaced by a recorder of the distribution it is handed (returns index 0, draws
+    nothing): what a side's `choose_token` would sample from, after its own filters."""
+    real = torch.multinomial
+
+    def record(probs, num_samples, *args, **kwargs):
+        seen.append(probs.detach().float().clone())
+        return torch.zeros(num_samples, dtype=torch.long)
+
+    torch.multinomial = record
+    try:
+        yield
+    finally:
+        torch.multinomial = real
+
+
+def golden_sampling_probe(case, sides) -> list[CheckResult]:
+    """Each setting's logits row through each side's `choose_token`: the distribution it samples from must keep
+    exactly upstream's tokens (the support, exact) with upstream's probabilities (rel_l2)."""
+    from manifests.cosmos3.reasoning import ReasonRequest
+    from optimized.models.cosmos3.reasoner import choose_token as optimized_choose
+    from reference.cosmos3.reasoner import choose_token as reference_choose
+
+    try:
+        logits, want_all = case.inputs["logits"], case.outputs["probs"]
+        settings = case.meta["params"]["settings"]
+    except KeyError as e:
+        raise SetupError(f"golden case {case.path}: incomplete cosmos3.sampling case ({e})") from None
+    tol, results = case.tolerance, []
+    for side in sides:
+        choose = reference_choose if side == "reference" else optimized_choose
+        for i, s in enumerate(settings):
+            req = ReasonRequest(torch.zeros(1, dtype=torch.long), 1, temperature=float(s["temperature"]),
+                                top_k=int(s["top_k"]), top_p=float(s["top_p"]))
+            seen: list[torch.Tensor] = []
+            with recorded_multinomial(seen):
+                choose(logits[int(s["row"])].clone(), req, torch.Generator().manual_seed(0))
+            want = want_all[i]
+            name = f"{case.name}/{side}:setting{i}"
+            if len(seen) != 1:
+                results.append(CheckResult(name, False, detail=f"{len(seen)} multinomial draws, expected 1"))
+                continue
+            got = seen[0]
+            kept, want_kept = (got > 0).nonzero().flatten().tolist(), (want > 0).nonzero().flatten().tolist()
+            m = compare(got, want)
+            label = f"T {s['temperature']}, top_k {s['top_k']}, top_p {s['top_p']}"
+            results.append(CheckResult(name, kept == want_kept and within(m, tol), m, tol,
+                                       detail=f"{label}: keeps {len(kept)} tokens" if kept == want_kept else
+                                       f"{label}: keeps tokens {kept}, upstream {want_kept}"))
+    return results
+
+
+PROBES = {"cosmos3.generate": golden_generate_probe, "cosmos3.sampling": golden_sampling_probe}

@@ -2,9 +2,10 @@
 
 A rule names one thing of the contract a port gets wrong (guidance 1 / < 1 / > 1, a one-row action, a single
 image, conditioned frames, the position of an unguided request in a batch, a one-token prompt edit, attention
-bias / no qk-norm, native and Karras schedules, long top-k / top-p sampling). Each rule is a generator: it draws
-the sizes, seeds and scales of its cases from `random.Random(f"{rule}:{seed}:{draw}")`, so a run is reproducible
-and a different `--seed` explores other draws of the same rules. Two matrices:
+bias / no qk-norm, native and Karras schedules, long top-k / top-p sampling, the same shapes at another fps on a
+warm cache). Each rule is a generator: it draws the sizes, seeds and scales of its cases from
+`random.Random(f"{rule}:{seed}:{draw}")`, so a run is reproducible and a different `--seed` explores other draws of
+the same rules. Two matrices:
 
   * `ci`: every rule once (the first draw): `fvparity run cosmos3 --level C1` stays under a minute on one core;
   * `full`: every rule several times, every batch position, every config permutation (`--cases full`).
@@ -41,6 +42,8 @@ C0_RULES = {
     "odd_grid": "H / W not multiples of the patch size, fps other than 24",
     "config_permutation": "attention bias and no-qk-norm configs (dataclasses.replace of the variant)",
     "prompt_edit": "a one-token prompt edit (last token changed) on a warm und cache must miss",
+    "fps_pair": "two cases of identical shapes but different fps, one after the other on one model (a layout "
+                "cache keyed on shapes alone would serve the second the first's position ids)",
 }
 C1_RULES = {
     "guidance_1": "guidance exactly 1: cond only (upstream skips the uncond pass)",
@@ -53,6 +56,8 @@ C1_RULES = {
     "prompt_edit": "one-token prompt edit on a warm und cache (last token changed, same length)",
     "schedule": "native flow schedule and the shipped Karras schedule, besides the docs default",
     "sampling": "long AR top-k / top-p sampling: many tokens, top_p near 1 and small",
+    "fps_pair": "two requests of identical shapes but different fps, the second submitted after the first finished "
+                "on the same engine (warm layout cache)",
 }
 
 
@@ -114,6 +119,10 @@ def _c0_draw(rule: str, r: random.Random, name: str) -> list[CaseSpec]:
     if rule == "sound":
         return [CaseSpec(name, text, (r.randint(1, 3), *hw), sound_frames=r.randint(1, 9), timestep=t,
                          fps=float(r.choice((12, 24))), rules=(rule,))]
+    if rule == "fps_pair":  # same shapes, T > 1 (fps-modulated); only fps differs between the two
+        shape, fps = (r.randint(2, 3), *hw), r.sample((10.0, 15.0, 16.0, 24.0, 30.0), 2)
+        return [CaseSpec(name + f".fps{fps[i]:g}", text, shape, timestep=t, fps=fps[i], rules=(rule,))
+                for i in range(2)]
     if rule == "odd_grid":
         return [CaseSpec(name, text, (r.randint(2, 3), 2 * r.randint(1, 2) + 1, 2 * r.randint(1, 3) + 1),
                          timestep=t, fps=round(r.uniform(5.0, 60.0), 2), action_rows=r.randint(2, 4), rules=(rule,))]
@@ -124,7 +133,7 @@ def c0_cases(matrix: str = "ci", seed: int = 0) -> list[CaseSpec]:
     """The anchors, then every C0 input rule's draws (config permutations and prompt edits are not input
     cases: see `config_permutations` and `prompt_edits`)."""
     out = list(C0_ANCHORS)
-    for rule in ("image", "conditioned_frames", "one_row_action", "sound", "odd_grid"):
+    for rule in ("image", "conditioned_frames", "one_row_action", "sound", "odd_grid", "fps_pair"):
         for d in draws(matrix):
             out += _c0_draw(rule, _rng(rule, seed, d), f"{rule}.{d}")
     return out
@@ -280,6 +289,11 @@ def _c1_draw(cfg: Cosmos3Config, rule: str, r: random.Random, name: str, matrix:
         ids[-1] = (ids[-1] + 1 + r.randrange(cfg.vocab_size - 1)) % cfg.vocab_size
         second = replace(first, text_ids=ids, seed=seed + 1)
         return [LoopCase(name, (first, second), start_ticks=(0, STEPS + 1), rules=(rule,))]
+    if rule == "fps_pair":  # the first finishes, then the same shapes at another fps on the warm engine
+        fps = r.sample((10.0, 15.0, 16.0, 24.0, 30.0), 2)
+        first = request(cfg, seed, _guided(r), text, latent_frames=r.randint(2, 3), fps=fps[0])
+        return [LoopCase(name, (first, replace(first, fps=fps[1], seed=seed + 1)), start_ticks=(0, STEPS + 1),
+                         rules=(rule,))]
     if rule == "one_row_action":
         if not cfg.has_action:
             return []
@@ -298,7 +312,8 @@ def _c1_draw(cfg: Cosmos3Config, rule: str, r: random.Random, name: str, matrix:
     raise KeyError(rule)
 
 
-C1_GENERATED = ("guidance_lt1", "batch_position", "image", "conditioned_frames", "prompt_edit", "one_row_action")
+C1_GENERATED = ("guidance_lt1", "batch_position", "image", "conditioned_frames", "prompt_edit", "one_row_action",
+                "fps_pair")
 
 
 def c1_cases(cfg: Cosmos3Config, matrix: str = "ci", seed: int = 0) -> list[LoopCase]:
