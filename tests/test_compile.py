@@ -18,7 +18,9 @@ from manifests.cosmos3.sampling import Cosmos3GenerateRequest, UniPCConfig
 from optimized.attention import BACKENDS, attend, check_backend, key_padding_mask
 from optimized.models.cosmos3.model import Cosmos3Fast
 from optimized.runtime.compile import CompileCache, EmulatedGraph, CapturedStep, GraphKey, ShapeBuckets
+from parity.families.cosmos3 import faults
 from parity.families.cosmos3.common import load_reference, run_reference
+from parity.graph_faults import stale_static_buffer
 from parity.metrics import compare
 from parity.weights import random_state_dict
 
@@ -83,11 +85,16 @@ def test_captured_step_copies_in_replays_and_copies_out():
 
 
 def test_negative_control_stale_static_buffer_gives_the_old_answer():
+    from optimized.runtime import compile as graph
+    from parity.graph_faults import patched
+
     a, b = torch.randn(4, 3), torch.randn(4, 3)
-    stale = CapturedStep(_body, (a, b), EmulatedGraph(), copy_inputs=False)
     x, y = torch.randn(4, 3), torch.randn(4, 3)
-    got = stale(x, y)
+    with patched(graph, "copy_in", lambda original: lambda static, inputs: None):  # the planted fault's seam
+        got = CapturedStep(_body, (a, b), EmulatedGraph())(x, y)
     assert torch.equal(got[0], _body(a, b)[0]) and not torch.allclose(got[0], _body(x, y)[0])
+    clean = CapturedStep(_body, (a, b), EmulatedGraph())(x, y)  # restored on exit
+    assert torch.equal(clean[0], _body(x, y)[0])
 
 
 def test_compile_cache_hits_misses_and_kinds():
@@ -154,9 +161,9 @@ def test_negative_control_pad_without_mask_fails(tiny):
     fast = Cosmos3Fast(cfg, state).configure_graph("eager", buckets=ShapeBuckets(multiple={"gen": 32, "text": 16}))
     want = run_reference(ref, x)
     assert worst(fast.forward_batch([x]), [want]) <= FP32_TOL
-    fast.mask_pad = False
-    fast.configure_graph("eager")  # drops cached geometries
-    assert worst(fast.forward_batch([x]), [want]) > 1e-3
+    with faults.COSMOS3_C1_FAULTS["pad-not-masked"](None):  # the declared seam packing.real_key_lengths
+        assert worst(fast.forward_batch([x]), [want]) > 1e-3  # a patched builder never reuses a clean geometry
+    assert worst(fast.forward_batch([x]), [want]) <= FP32_TOL
 
 
 def test_replayed_body_is_bitwise_eager_and_stale_buffers_fail(tiny):
@@ -171,10 +178,10 @@ def test_replayed_body_is_bitwise_eager_and_stale_buffers_fail(tiny):
         assert torch.equal(e.vision, c.vision)
     assert captured.last_step_info == {"graph": "replayed", "bucket": "B=1;text=16;gen=64", "graph_cache": "hit"}
     stale = Cosmos3Fast(cfg, state)
-    stale.graph_cache = CompileCache(emulate_capture=True, copy_inputs=False)
-    stale.configure_graph("cuda")
-    stale.forward_batch([a])
-    assert worst(stale.forward_batch([b]), [run_reference(ref, b)]) > 1e-3
+    with stale_static_buffer([stale]):  # emulated capture, copy-in skipped
+        stale.forward_batch([a])
+        assert worst(stale.forward_batch([b]), [run_reference(ref, b)]) > 1e-3
+    assert stale.graph_mode == "eager" and worst(stale.forward_batch([b]), [run_reference(ref, b)]) <= FP32_TOL
 
 
 def test_trace_step_reports_graph_bucket_and_cache_hits(tiny):
@@ -258,10 +265,9 @@ def test_wan_blocks_replayed_bitwise_eager_and_stale_buffers_differ(wan_dit):
         assert torch.equal(eager.forward_batch(*x), captured.forward_batch(*x))
     assert captured.last_step_info["graph"] == "replayed" and captured.last_step_info["graph_cache"] == "hit"
     stale = WanDiTFast(cfg, state)
-    stale.graph_cache = CompileCache(emulate_capture=True, copy_inputs=False)
-    stale.configure_graph("cuda")
-    stale.forward_batch(*a)
-    assert not torch.allclose(stale.forward_batch(*b), eager.forward_batch(*b))
+    with stale_static_buffer([stale]):
+        stale.forward_batch(*a)
+        assert not torch.allclose(stale.forward_batch(*b), eager.forward_batch(*b))
 
 
 @pytest.mark.slow
@@ -273,3 +279,56 @@ def test_wan_blocks_compiled_match_eager(wan_dit):
     want = WanDiTFast(cfg, state).forward_batch(*x)
     fast = WanDiTFast(cfg, state).configure_graph("compile")
     assert compare(fast.forward_batch(*x), want).rel_l2 <= FP32_TOL and fast.last_step_info["graph"] == "compiled"
+
+
+def test_wan_trace_step_reports_graph_bucket_and_cache_hits():
+    import optimized
+    from manifests.wan import WanGenerateRequest
+
+    eng = optimized.Engine.from_variant("tiny-2.1-t2v", seed=0)
+    for dit in eng.model.experts():
+        dit.graph_cache = CompileCache(emulate_capture=True)
+    eng.model.configure_graph("cuda", cfg_policy="batched")
+    cfg = eng.model.cfg
+    s = cfg.vae.spatial_compression * cfg.dit.patch_size[1]
+    req = WanGenerateRequest(text_ids=torch.tensor([5, 6, 7]), negative_text_ids=torch.tensor([8, 9]), num_frames=5,
+                             height=2 * s, width=2 * s, num_steps=3, guidance_scale=5.0, seed=0)
+    h = eng.submit(req)
+    eng.run_until_idle()
+    steps = [e.data for e in h.events if e.kind == "trace.step"]
+    assert [(d["graph"], d["graph_cache"]) for d in steps] == [("replayed", "miss"), ("replayed", "hit"),
+                                                               ("replayed", "hit")]
+    assert all(d["bucket"].startswith("B=2;N=8;") for d in steps)   # cond + uncond rows, 2 x 2 x 2 tokens
+    eager = optimized.Engine.from_variant("tiny-2.1-t2v", seed=0).generate(req)["latents"]["vision"]
+    assert torch.equal(h.result()["latents"]["vision"], eager)        # replayed == eager, bitwise
+
+
+@pytest.mark.slow
+def test_fvparity_wan_c1_graph_compile_passes(fvparity):
+    r = fvparity("run", "wan", "--level", "C1", "--variant", "tiny-2.1-t2v", "--graph", "compile", timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "graph_compile" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, fault", [("cosmos3", "stale-static-buffer"), ("cosmos3", "pad-not-masked"),
+                                           ("wan", "stale-static-buffer")])
+def test_graph_negative_controls_fail_c1(family, fault):
+    """The declared module patches (parity/graph_faults.py, cosmos3 packing.real_key_lengths) make C1 fail; the
+    same run without them passes (test_fvparity_*_c1_graph_compile_passes and the C1 suites)."""
+    if family == "cosmos3":
+        from parity.families.cosmos3.c1 import run_c1
+        report = run_c1(["tiny"], None, "cpu", ["fp32"], 0, fault, lambda m: None, only=("t2v",))
+    else:
+        from parity.families.wan.c1 import run_c1
+        report = run_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, fault, lambda m: None)
+    bad = [c for c in report.checks if not c.passed]
+    assert any(c.name.endswith("/step1") for c in bad), [c.name for c in bad][:5]
+
+
+def test_wan_graph_mode_under_a_plan_is_refused():
+    from parity.errors import SetupError
+    from parity.families.wan.c1 import run_c1
+
+    with pytest.raises(SetupError, match="runs eagerly"):
+        run_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, None, lambda m: None, plan="ulysses2", graph="compile")

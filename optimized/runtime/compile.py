@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -135,17 +135,22 @@ class CudaGraph:
         self.graph.replay()
 
 
+def copy_in(static: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """Copy one call's inputs into the captured step's static buffers (a declared seam: the stale-static-buffer
+    negative control in parity/ patches it to skip the copy)."""
+    for buf, x in zip(static, inputs):
+        buf.copy_(x)
+
+
 class CapturedStep:
     """Static input buffers for one bucket; `__call__` copies the new inputs in (shapes and dtypes must match the
     bucket exactly), replays, and copies the outputs out (a later replay must not change what a caller holds)."""
 
     kind = "replayed"
 
-    def __init__(self, body: Body, example: Sequence[torch.Tensor], graph: EmulatedGraph | CudaGraph,
-                 copy_inputs: bool = True) -> None:
+    def __init__(self, body: Body, example: Sequence[torch.Tensor], graph: EmulatedGraph | CudaGraph) -> None:
         self.static_in = [x.clone() for x in example]
         self.graph = graph
-        self.copy_inputs = copy_inputs          # False only as a negative control (stale static buffers)
         with graph.capture(lambda: tuple(body(*self.static_in))) as outs:
             self.static_out = outs
 
@@ -156,8 +161,7 @@ class CapturedStep:
             if buf.shape != x.shape or buf.dtype != x.dtype:
                 raise ValueError(f"input {i}: {tuple(x.shape)} {x.dtype} does not match the captured bucket "
                                  f"{tuple(buf.shape)} {buf.dtype}")
-            if self.copy_inputs:
-                buf.copy_(x)
+        copy_in(self.static_in, inputs)
         self.graph.replay()
         return tuple(o.clone() for o in self.static_out)
 
@@ -192,12 +196,17 @@ class StepInfo:
 
 
 class CompileCache:
-    """GraphKey -> StepRunner, LRU-bounded by entry count (a captured bucket holds its static buffers)."""
+    """GraphKey -> StepRunner, LRU-bounded by entry count (a captured bucket holds its static buffers).
 
-    def __init__(self, max_entries: int = 32, emulate_capture: bool = False, copy_inputs: bool = True) -> None:
+    `parallel_plan_hash`: the layout of the model that owns this cache (set when a parallel plan is attached). Every
+    key looked up names it: a key built without a plan ("single") is stamped with it, a key naming another layout
+    is refused (one cache never serves two layouts)."""
+
+    def __init__(self, max_entries: int = 32, emulate_capture: bool = False,
+                 parallel_plan_hash: str = "single") -> None:
         self.max_entries = max_entries
         self.emulate_capture = emulate_capture   # CPU tests of the capture path
-        self.copy_inputs = copy_inputs
+        self.parallel_plan_hash = parallel_plan_hash
         self._runners: OrderedDict[GraphKey, StepRunner] = OrderedDict()
         self.stats = CompileStats()
 
@@ -211,6 +220,11 @@ class CompileCache:
         self._runners.clear()
 
     def step(self, key: GraphKey, body: Body, example: Sequence[torch.Tensor]) -> tuple[StepRunner, StepInfo]:
+        if key.parallel_plan_hash != self.parallel_plan_hash:
+            if key.parallel_plan_hash != "single":
+                raise ValueError(f"graph key for plan {key.parallel_plan_hash!r} looked up in the compile cache of "
+                                 f"plan {self.parallel_plan_hash!r}")
+            key = replace(key, parallel_plan_hash=self.parallel_plan_hash)
         runner = self._runners.get(key)
         status = "hit"
         if runner is None:
@@ -234,7 +248,7 @@ class CompileCache:
             if not self.emulate_capture and not key.device.startswith("cuda"):
                 raise ValueError(f"graph mode 'cuda' needs a CUDA device, got {key.device}")
             graph = EmulatedGraph() if self.emulate_capture else CudaGraph()
-            runner = StepRunner(CapturedStep(body, example, graph, self.copy_inputs), "replayed")
+            runner = StepRunner(CapturedStep(body, example, graph), "replayed")
         self.stats.builds[runner.kind] = self.stats.builds.get(runner.kind, 0) + 1
         return runner
 

@@ -34,12 +34,22 @@ State = TypeVar("State")
 
 @dataclass(frozen=True)
 class ResourceRequest:
-    """What a step (or a whole request, at admission) must reserve before it runs."""
+    """What a step (or a whole request, at admission) must reserve before it runs, on ONE rank: under a parallel
+    plan every rank runs the same scheduler against its own device's budget, so a kernel states the bytes its
+    rank holds (`per_rank_share` for what the plan splits)."""
     device_bytes: int = 0
     cost_seconds: float = 0.0          # predicted device-seconds: the scheduler's one cost currency
 
     def __add__(self, other: "ResourceRequest") -> "ResourceRequest":
         return ResourceRequest(self.device_bytes + other.device_bytes, self.cost_seconds + other.cost_seconds)
+
+
+def per_rank_share(total: int, *splits: int) -> int:
+    """Bytes (or work) of one rank when `total` is split over the given plan degrees (ceil: the largest shard)."""
+    n = 1
+    for d in splits:
+        n *= max(int(d), 1)
+    return -(-int(total) // n)
 
 
 @dataclass(frozen=True)
@@ -84,9 +94,10 @@ def fresh_copy(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class WorkPlan:
-    """Every field is read by the scheduler: request_id (filled in by it), loop_id / phase / shape_signature (cost
-    model key, trace), step_index (trace), batch_key (grouping), resources (step memory gate + cost), cache_reads
-    (trace), cancel_boundary (cancel / preempt gate), info (trace only)."""
+    """Every field is read by the scheduler: request_id (filled in by it), loop_id / phase / shape_signature /
+    parallel_plan_hash (cost model key, trace), step_index (trace), batch_key (grouping), graph_bucket (batches that
+    hit an already compiled / captured body), resources (step memory gate + cost, per rank), cache_reads (trace),
+    cancel_boundary (cancel / preempt gate), info (trace only)."""
     request_id: str                    # the scheduler's request id (it replaces whatever the kernel put here)
     loop_id: str                       # e.g. "cosmos3.denoise", "wan.vae_decode"
     phase: str                         # e.g. "denoise_step", "vae_decode_chunk", "ar_token"
@@ -95,7 +106,9 @@ class WorkPlan:
     resources: ResourceRequest = ResourceRequest()   # device_bytes: transient memory of this step, on top of admission
     cache_reads: tuple[CacheKey, ...] = ()
     cancel_boundary: bool = True       # the request may be cancelled / preempted before this step
-    shape_signature: str = ""          # (loop, phase, shape) -> cost model calibration key
+    shape_signature: str = ""          # (loop, phase, shape, plan) -> cost model calibration key
+    parallel_plan_hash: str = "single"  # the layout the step runs under (ParallelPlan.hash()): costs and bytes per rank
+    graph_bucket: str = ""             # this request's share of the step body's shape bucket ("" = shape_signature)
     info: dict = field(default_factory=dict, compare=False)  # trace-only details (never read by the runtime)
 
 

@@ -15,10 +15,15 @@ Each `tick()`:
      caches are freed);
   2. admit waiting requests in arrival order while their reservation fits (one that cannot fit now waits);
   3. plan one step for every running request (`plan_step` is pure), group plans by `batch_key`;
-  4. run groups (running requests first, oldest first) while the tick's predicted device-seconds fit the
-     budget (the first group always runs, so nothing starves), one `run_step` call per memory-fitting batch;
-  5. measure, calibrate the cost model, emit `trace.step` (and `request.output` for what a step streams out),
-     finish requests whose loop is done.
+  4. split each group into batches the cost model allows (never a batch measured slower than its members run one
+     by one; when split, members grouped so a batch lands on a compiled / captured body: `_chunks`), run them (running
+     requests first, oldest first) while the tick's predicted device-seconds fit the budget (the first group always
+     runs, so nothing starves), one `run_step` call per memory-fitting batch;
+  5. measure (`clock`; a step that compiled or captured its body is not a measurement), calibrate the cost model,
+     emit `trace.step` (and `request.output` for what a step streams out), finish requests whose loop is done.
+
+Under a parallel plan every rank runs this scheduler on its own device: budgets, reservations and step bytes are per
+rank, and the cost model keys on the plan (`WorkPlan.parallel_plan_hash`).
 
 `run_request` / `run_requests` / `stream_request` drive a bare kernel through a private scheduler (no engine):
 the scheduler is the only loop driver.
@@ -48,27 +53,62 @@ class RequestFailed(RuntimeError):
     """A request that ended without a result (failed or cancelled); the message says why."""
 
 
+CostKey = tuple[str, str, str, str]
+
+
 class CostModel:
-    """Predicted device-seconds per (loop, phase, shape signature). Starts from the kernel's estimate in the
-    plan and converges to measurements (exponential moving average of the per-unit share of a batched run)."""
+    """Predicted device-seconds per (loop, phase, shape signature, parallel plan hash): the same step under another
+    layout costs something else. Starts from the kernel's estimate in the plan and converges to measurements
+    (exponential moving averages):
+
+      * `measured`: each request's share of the runs it was part of (the tick budget's currency);
+      * `solo`: seconds of the step run alone; `batched`: seconds of a batch, per composition (the multiset of its
+        members' keys). `slower_than_solo(plans)` is True once that batch was measured slower than the sum of its
+        members run one by one: the scheduler then never forms it (or a larger one) again. Solo times are learned
+        from the steps that run alone (a request before its batch mates arrive, or after they finish).
+    """
 
     def __init__(self, smoothing: float = 0.5):
         self.smoothing = smoothing
-        self.measured: dict[tuple[str, str, str], float] = {}
+        self.measured: dict[CostKey, float] = {}
+        self.solo: dict[CostKey, float] = {}
+        self.batched: dict[tuple[CostKey, ...], float] = {}
 
     @staticmethod
-    def key(plan: WorkPlan) -> tuple[str, str, str]:
-        return plan.loop_id, plan.phase, plan.shape_signature
+    def key(plan: WorkPlan) -> CostKey:
+        return plan.loop_id, plan.phase, plan.shape_signature, plan.parallel_plan_hash
+
+    @classmethod
+    def composition(cls, plans: Sequence[WorkPlan]) -> tuple[CostKey, ...]:
+        return tuple(sorted(cls.key(p) for p in plans))
+
+    def _ema(self, table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
 
     def predict(self, plan: WorkPlan) -> float:
         return self.measured.get(self.key(plan), plan.resources.cost_seconds)
 
-    def observe(self, plans: list[WorkPlan], seconds: float) -> None:
+    def observe(self, plans: Sequence[WorkPlan], seconds: float) -> None:
         share = seconds / max(len(plans), 1)
         for p in plans:
-            k = self.key(p)
-            old = self.measured.get(k)
-            self.measured[k] = share if old is None else (1 - self.smoothing) * old + self.smoothing * share
+            self._ema(self.measured, self.key(p), share)
+        if len(plans) == 1:
+            self._ema(self.solo, self.key(plans[0]), seconds)
+        elif plans:
+            self._ema(self.batched, self.composition(plans), seconds)
+
+    def batch_ratio(self, plans: Sequence[WorkPlan]) -> float | None:
+        """Measured seconds of this batch / the sum of its members' solo seconds; None until both are known."""
+        batch = self.batched.get(self.composition(plans))
+        solos = [self.solo.get(self.key(p)) for p in plans]
+        if batch is None or any(t is None for t in solos) or sum(solos) <= 0:
+            return None
+        return batch / sum(solos)
+
+    def slower_than_solo(self, plans: Sequence[WorkPlan]) -> bool:
+        ratio = self.batch_ratio(plans) if len(plans) > 1 else None
+        return ratio is not None and ratio > 1.0
 
 
 @dataclass
@@ -90,12 +130,15 @@ class RequestRecord:
 
 class WorkUnitScheduler:
     def __init__(self, memory_budget_bytes: int = 8 << 30, tick_budget_seconds: float = float("inf"),
-                 max_batch: int = 16, bus: EventBus | None = None):
-        self.memory_budget_bytes = memory_budget_bytes
+                 max_batch: int = 16, bus: EventBus | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.memory_budget_bytes = memory_budget_bytes   # per rank: every rank of a plan runs its own scheduler
         self.tick_budget_seconds = tick_budget_seconds
         self.max_batch = max_batch
         self.bus = bus or EventBus()
+        self.clock = clock                 # step timing for the cost model (a fake clock in tests)
         self.cost = CostModel()
+        self.warm: dict[tuple, None] = {}  # (group, bucket composition) whose step body is compiled / captured (ordered)
+        self.graph_groups: set = set()     # groups whose step body reported a compiled / replayed graph
         self.records: dict[str, RequestRecord] = {}
         self.waiting: list[str] = []
         self.running: list[str] = []
@@ -194,7 +237,7 @@ class WorkUnitScheduler:
         # groups deferred last tick go first (aging), so no loop kind starves behind another
         order = sorted(groups.items(), key=lambda item: item[0] not in self._deferred)
         for group_key, rids in order:
-            for chunk in (rids[i:i + self.max_batch] for i in range(0, len(rids), self.max_batch)):
+            for chunk in self._chunks(group_key, rids, plans):
                 predicted = sum(self.cost.predict(plans[r]) for r in chunk)
                 if ran and spent + predicted > self.tick_budget_seconds:
                     deferred.add(group_key)  # the first group always runs
@@ -211,6 +254,47 @@ class WorkUnitScheduler:
         self._emit("trace.scheduler", None, running=list(self.running), waiting=list(self.waiting),
                    groups=len(ran), predicted_seconds=spent, reserved_bytes=self.reserved_bytes)
         self._finish_done()
+
+    @staticmethod
+    def _buckets(plans: Sequence[WorkPlan]) -> tuple[str, ...]:
+        return tuple(sorted(p.graph_bucket or p.shape_signature for p in plans))
+
+    def _chunks(self, group_key: tuple, rids: list[str], plans: dict[str, WorkPlan]) -> list[list[str]]:
+        """Split a group (oldest first) into batches of the largest size the cost model allows: at most `max_batch`,
+        and never as large as a batch already measured slower than its members run one by one. When the group must
+        be split and its step body is compiled / captured, each batch (which always holds the oldest member left)
+        takes members whose bucket composition already has a compiled / captured body, where one exists, instead
+        of the next ones in age order: the split never adds a batch, it picks who goes together."""
+        out, rest = [], list(rids)
+        while rest:
+            cand = rest[:self.max_batch]
+            size = 1
+            for b in range(2, len(cand) + 1):
+                if self.cost.slower_than_solo([plans[r] for r in cand[:b]]):
+                    break  # batching this many lost against one by one: a larger batch is not tried either
+                size = b
+            batch = rest[:size]
+            if size < len(rest) and group_key in self.graph_groups:
+                batch = self._warm_batch(group_key, rest, size, plans) or batch
+            out.append(batch)
+            rest = [r for r in rest if r not in batch]
+        return out
+
+    def _warm_batch(self, group_key: tuple, rest: list[str], size: int, plans: dict[str, WorkPlan]) -> list[str]:
+        """`size` members of `rest`, the oldest included, whose bucket composition is warm (oldest first within each
+        bucket); [] when no warm composition of that size can be filled."""
+        bucket = {r: self._buckets([plans[r]])[0] for r in rest}
+        for g, composition in self.warm:
+            if g != group_key or len(composition) != size or bucket[rest[0]] not in composition:
+                continue
+            need, batch = list(composition), []
+            for r in rest:
+                if bucket[r] in need:
+                    need.remove(bucket[r])
+                    batch.append(r)
+            if not need and rest[0] in batch:
+                return batch
+        return []
 
     def _memory_batches(self, rids: list[str], plans: dict[str, WorkPlan], starved: list[str]) -> list[list[str]]:
         """Split a group into batches whose step bytes fit beside the held reservations; a request whose step can
@@ -275,7 +359,7 @@ class WorkUnitScheduler:
     def _run_group(self, rids: list[str], plans: list[WorkPlan], batch_key: Any) -> None:
         recs = [self.records[r] for r in rids]
         kernel = recs[0].kernel
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             # the step advances snapshots: until it returns, every record keeps its pre-step state
             new_states = kernel.run_step([kernel.snapshot(r.state) for r in recs], plans)
@@ -292,15 +376,20 @@ class WorkUnitScheduler:
                 self._drop(rec, "failed")
                 self._emit("request.failed", rec, error=rec.error)
             return
-        seconds = time.perf_counter() - t0
-        self.cost.observe(plans, seconds)
+        seconds = self.clock() - t0
+        group_key = (id(kernel), batch_key)
+        self.warm[(group_key, self._buckets(plans))] = None
+        if any(p.info.get("graph") in ("compiled", "replayed") for p in plans):
+            self.graph_groups.add(group_key)
+        if not any(p.info.get("graph_cache") == "miss" for p in plans):  # a compile / capture is not the step's cost
+            self.cost.observe(plans, seconds)
         step_bytes = sum(p.resources.device_bytes for p in plans)
         self.peak_bytes = max(self.peak_bytes, self.reserved_bytes + step_bytes)
         for rec, plan, state in zip(recs, plans, new_states):
             rec.state = state
             rec.steps_run += 1
             self._emit("trace.step", rec, loop=plan.loop_id, phase=plan.phase, step=plan.step_index,
-                       batch_size=len(recs), batch=[r.request_id for r in recs], seconds=seconds,
+                       parallel_plan=plan.parallel_plan_hash, batch_size=len(recs), batch=[r.request_id for r in recs], seconds=seconds,
                        step_bytes=plan.resources.device_bytes, cache_reads=[k.short() for k in plan.cache_reads],
                        **plan.info)
             output = kernel.step_output(state, plan)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -201,9 +201,15 @@ class BatchGeometry:
         return a, a + self.layouts[s].gen_len
 
 
+def real_key_lengths(layouts: Sequence[PackedLayout], text_pad: int, gen_pad: int) -> list[tuple[int, int]]:
+    """(text, gen) real key counts per sample: every key past them in the bucket is pad and masked out (a declared
+    seam: the pad-not-masked negative control in parity/ patches it to return the padded sizes)."""
+    return [(lay.text_len, lay.gen_len) for lay in layouts]
+
+
 def build_geometry(layouts: list[PackedLayout], buckets: ShapeBuckets, rope: Callable, device: torch.device,
-                   dtype: torch.dtype, mask_pad: bool = True) -> BatchGeometry:
-    """`rope(position_ids [3, n]) -> (cos, sin)`. `mask_pad=False` leaves pad keys visible (a negative control)."""
+                   dtype: torch.dtype) -> BatchGeometry:
+    """`rope(position_ids [3, n]) -> (cos, sin)`."""
     from optimized.attention import key_padding_mask
 
     B = len(layouts)
@@ -225,7 +231,7 @@ def build_geometry(layouts: list[PackedLayout], buckets: ShapeBuckets, rope: Cal
         act.append(torch.arange(base + nv + ns, base + nv + ns + na).to(device) if na else None)
         has_out = lay.action_mse_loss_indexes is not None and lay.action_mse_loss_indexes.numel() > 0
         act_out.append((lay.action_mse_loss_indexes - L + base).to(device) if has_out else None)
-    lengths = [(l.text_len, l.gen_len) if mask_pad else (T, N) for l in layouts]
+    lengths = real_key_lengths(layouts, T, N)
     cos, sin = rope(pos)
     dev = lambda t: t.to(device)  # noqa: E731
     return BatchGeometry(

@@ -26,7 +26,7 @@ from optimized.models.wan.instance import WanModelInstance
 from optimized.models.wan.transformer import WanDiTFast
 from optimized.models.wan.vae import ConvCache
 from optimized.runtime.cache import CacheKey
-from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan, per_rank_share
 from optimized.solvers import euler, unipc
 from optimized.solvers import sde as sde_solver
 from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
@@ -208,25 +208,39 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         pt, ph, pw = self.cfg.dit.patch_size
         return (T // pt) * (h // ph) * (w // pw)
 
+    def layout(self):
+        """The parallel plan attached to the model instance (`parallelize`), or None in one process."""
+        mesh = getattr(self.model, "parallel_mesh", None)
+        return getattr(mesh, "plan", mesh)
+
     def plan_step(self, s: WanDenoiseState) -> WorkPlan:
         expert = s.experts[s.step]
         dit_cfg = self.cfg.dit if expert == 1 else self.cfg.dit_2
         tokens, branches = self._tokens(s), 2 if s.request.uses_cfg else 1
         elem = torch.finfo(self.model.dtype).bits // 8
-        act_bytes = branches * (tokens * dit_cfg.hidden_size * elem * 12 + tokens * dit_cfg.ffn_dim * elem * 2)
-        cost = 2 * branches * (tokens + s.text.shape[1]) * dit_params(dit_cfg) / 5e10
+        # per rank: cfgp splits the branches, ulysses x ring the video tokens, tp the FFN width and the weights
+        lay = self.layout()
+        cfgp, sp, tp = (lay.cfgp, lay.sp_ulysses * lay.sp_ring, lay.tp) if lay is not None else (1, 1, 1)
+        rank_branches, rank_tokens = per_rank_share(branches, cfgp), per_rank_share(tokens, sp)
+        act_bytes = rank_branches * rank_tokens * (dit_cfg.hidden_size * elem * 12 +
+                                                   per_rank_share(dit_cfg.ffn_dim, tp) * elem * 2)
+        cost = 2 * rank_branches * (rank_tokens + s.text.shape[1]) * dit_params(dit_cfg) / tp / 5e10
         image_n = None if s.image_embeds is None else s.image_embeds.shape[1]
         shape = tuple(s.latents.shape[1:])
+        signature = f"expert={expert};latent={'x'.join(map(str, shape))}"
         return WorkPlan(
             request_id="", loop_id=self.loop_id, phase="denoise_step", step_index=s.step,
             batch_key=(expert, shape, s.text.shape[1], image_n, str(self.model.dtype), self.cfg_policy.name),
             resources=ResourceRequest(device_bytes=act_bytes, cost_seconds=cost), cache_reads=s.text_keys,
-            shape_signature=f"expert={expert};latent={'x'.join(map(str, shape))};branches={branches}",
+            shape_signature=f"{signature};branches={branches}",
+            parallel_plan_hash=lay.hash() if lay is not None else "single",
+            graph_bucket=f"{signature};rows={rank_branches}",   # the block stack's rows: this request's branches
             info={"timestep": s.timesteps[s.step].item(), "expert": expert,
                   "guidance": s.request.guidance_for_expert(expert)})
 
     def admission(self, s: WanDenoiseState) -> ResourceRequest:
-        """Held for the request's life: latents + solver history (+ trajectory), conditioning, text embeddings."""
+        """Held for the request's life: latents + solver history (+ trajectory), conditioning, text embeddings (the
+        same on every rank of a plan: each rank keeps the whole latents and texts)."""
         latent = s.latents.numel() * 4
         held = latent * (6 + (len(s.timesteps) if s.job.record_trajectory else 0))
         for t in (s.condition, s.first_frame_mask, s.text, s.negative_text, s.image_embeds):
@@ -271,7 +285,13 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
 
     def run_step(self, states: Sequence[WanDenoiseState], plans: Sequence[WorkPlan]) -> list[WanDenoiseState]:
         out = []
-        for s, v in zip(states, self.guided_velocities(states)):
+        dit = self.model.expert(states[0].experts[states[0].step])
+        dit.last_step_info = {}  # a forward that does not run the CompileCache (sequence parallel) reports nothing
+        velocities = self.guided_velocities(states)
+        step_info = dict(dit.last_step_info)
+        for p in plans:  # trace.step says how the block stack ran: graph (eager/compiled/replayed), bucket, graph_cache
+            p.info.update(step_info)
+        for s, v in zip(states, velocities):
             i, logprob, noise = s.step, None, None
             if s.sde is not None:  # one fp32 randn of the latent shape per SDE step, from the request's generator
                 noise = torch.randn(s.latents.shape, generator=s.generator, dtype=torch.float32) \
