@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_goldens import randomize_weights  # noqa: E402  (same weight recipe as the cosmos3.transformer cases)
+from golden_verify import judge  # noqa: E402
 
 FAMILY = "cosmos3"
 PROBE = "cosmos3.generate"
@@ -704,9 +705,9 @@ def verify_case(case_dir: Path) -> bool:
     out, diag = run_probe(up, transformer, params, inputs, 4242, image,
                           upstream_scheduler_of(params, case.get("upstream_run")))
     _sanity(params, inputs, out, diag)
-    bad = _same(out, ref)
-    print(f"{'OK  ' if not bad else 'FAIL'} {case_dir}" + ("" if not bad else f": mismatch in {bad}"))
-    return not bad
+    ok, verdict = judge(out, ref)
+    print(f"{'OK  ' if ok else 'FAIL'} {case_dir}: {verdict}")
+    return ok
 
 
 def print_schedules() -> None:

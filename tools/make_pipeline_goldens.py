@@ -47,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import make_vae_goldens  # noqa: E402
+from golden_verify import judge  # noqa: E402
 from make_generate_goldens import (_BASE, UNIPC_FIELDS, VAE_S, VAE_T, _dumps, _import_upstream, _realloc,  # noqa: E402
                                    _setup_determinism, _StubTokenizer, full_scheduler, make_scheduler)
 from make_goldens import randomize_weights as randomize_transformer  # noqa: E402
@@ -313,9 +314,9 @@ def verify_case(case_dir: Path) -> bool:
     transformer, vae = load("Transformer", "upstream"), load("VAE", "upstream_vae")
     sound = load("AVAE", "upstream_sound") if (case_dir / "upstream_sound").is_dir() else None
     out = run_probe(up, transformer, vae, sound, meta["params"], load_file(str(case_dir / "inputs.safetensors")))
-    bad = _same(out, load_file(str(case_dir / "outputs.safetensors")))
-    print(f"{'OK  ' if not bad else 'FAIL'} {case_dir}" + ("" if not bad else f": mismatch in {bad}"))
-    return not bad
+    ok, verdict = judge(out, load_file(str(case_dir / "outputs.safetensors")))
+    print(f"{'OK  ' if ok else 'FAIL'} {case_dir}: {verdict}")
+    return ok
 
 
 def _realloc_ret(model):
