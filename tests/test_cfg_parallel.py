@@ -16,6 +16,7 @@ from optimized.parallel.mesh import build_mesh
 from optimized.parallel.plan import ParallelPlan
 from optimized.runtime.scheduler import run_requests
 from optimized.solvers.guidance import make_policy
+from parity.parallel_faults import planted
 
 VARIANT, SEED, REL_L2 = "tiny-2.1-t2v", 0, 1e-5
 
@@ -47,7 +48,8 @@ def _cfgp_worker(group) -> dict:
     mesh = build_mesh(ParallelPlan.parse("cfgp2"))
     policy = CFGParallel(mesh.axis("cfgp"))
     out = {"latents": latents(policy), "stats": dict(policy.stats), "bytes": mesh.bytes_sent()}
-    out["swapped"] = latents(CFGParallel(mesh.axis("cfgp"), swap_branches=True))
+    with planted("cfg-branches-swapped"):   # the control, patched by this rank (parity/parallel_faults.py)
+        out["swapped"] = latents(CFGParallel(mesh.axis("cfgp")))
     return out
 
 

@@ -67,8 +67,9 @@ def test_wan_contract_at_released_sizes():
     WAN.validate(ParallelPlan.parse("ulysses8"), big, require_implemented=False)
     with pytest.raises(ParallelPlanError, match="ffn width 8960 is not divisible by tp = 3"):
         WAN.validate(ParallelPlan.parse("tp3"), small, require_implemented=False)
-    with pytest.raises(ParallelPlanError, match="not wired in the runtime yet"):
-        WAN.validate(ParallelPlan.parse("tp2"), small)          # admitted by the shapes, not run yet
+    WAN.validate(ParallelPlan.parse("tp2"), small)
+    with pytest.raises(ParallelPlanError, match="axis dp is admitted by the model's shapes but not wired"):
+        WAN.validate(ParallelPlan.parse("dp2"), small)          # admitted, not run yet
     with pytest.raises(ParallelPlanError, match="needs world size 4"):
         WAN.validate(ParallelPlan.parse("cfgp2,ulysses2"), small, world_size=2, require_implemented=False)
     with pytest.raises(ParallelPlanError, match="cfgp=4 exceeds the 2 CFG branches"):
@@ -111,12 +112,16 @@ def test_mesh_at_world_size_1():
         build_mesh(ParallelPlan.parse("cfgp2"))
 
 
-def _launch(*args: str, ranks: int = 0, timeout: float = 180) -> subprocess.CompletedProcess:
+def _launch(*args: str, ranks: int = 0, timeout: float = 180, fault: str = "") -> subprocess.CompletedProcess:
+    """The launcher (under torchrun with `ranks`); `fault`: each rank runs it through parity/parallel_faults.py's
+    entry, which plants the named patch in that rank first."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks \
         else [sys.executable]
-    return subprocess.run(cmd + ["-m", "optimized.parallel.launch", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    entry = ["-m", "parity.parallel_faults", fault, "optimized.parallel.launch"] if fault else \
+        ["-m", "optimized.parallel.launch"]
+    return subprocess.run(cmd + entry + list(args), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_launch_refuses_an_invalid_plan_with_exit_2():
@@ -153,11 +158,31 @@ def test_torchrun_cfgp2_generates_the_latents_of_one_process(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("fault, named", [("exit:1", "local_rank: 1"), ("hang:1", "rank 1 is alive but behind")])
+def test_torchrun_tp2_from_a_checkpoint_generates_the_latents_of_one_process(tmp_path):
+    """--checkpoint with tp2: each rank reads only its DiT shards (the contract's load_sharded)."""
+    from parity.families.wan.common import resolve_models
+    from parity.families.wan.parallel import write_model_dir
+
+    ckpt = str(write_model_dir(resolve_models(["tiny-2.1-t2v"], None, 0, kinds=("model",))[0], tmp_path / "m"))
+    reqs = _requests_file(tmp_path)
+    one = _launch("--checkpoint", ckpt, "--requests", reqs, "--out", str(tmp_path / "one.pt"))
+    two = _launch("--checkpoint", ckpt, "--plan", "tp2", "--requests", reqs, "--out", str(tmp_path / "two.pt"),
+                  "--timeout", "60", ranks=2)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    a, b = (torch.load(tmp_path / f, weights_only=False) for f in ("one.pt", "two.pt"))
+    assert b["plan"] == "tp2" and b["bytes_sent_rank0"] > 0
+    x, y = b["results"][0]["latents"]["vision"], a["results"][0]["latents"]["vision"]
+    assert float((x - y).norm() / y.norm()) <= 1e-5
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, named", [("rank-exit:1", "local_rank: 1"),
+                                          ("rank-hang:1", "rank 1 is alive but behind")])
 def test_a_rank_that_dies_or_hangs_fails_the_run_naming_it(tmp_path, fault, named):
     start = time.monotonic()
     out = _launch("--variant", "tiny-2.1-t2v", "--plan", "cfgp2", "--requests", _requests_file(tmp_path),
-                  "--timeout", "8", "--fault", fault, ranks=2, timeout=120)
+                  "--timeout", "8", ranks=2, timeout=120, fault=fault)
     assert out.returncode != 0
     assert named in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     assert time.monotonic() - start < 90

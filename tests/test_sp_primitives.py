@@ -2,8 +2,9 @@
 
 In-process: log-sum-exp merge, padding masks, GQA replication. On gloo ranks (`dist`): Ulysses (all-to-all over
 heads), ring attention and ulysses x ring equal SDPA on the whole sequence within 1e-6 fp32 for uneven sequence
-lengths, key masks, GQA and a replicated (cross-attention) context; negative controls: heads permuted in the
-all-to-all, ring merge without the max-shift - both must fail.
+lengths, key masks, GQA and a replicated (cross-attention) context; negative controls (planted by each rank through
+parity/parallel_faults.py, the one fault mechanism): heads permuted in the all-to-all, ring merge without the
+max-shift, a TP column shard from the wrong slice - all must fail. In-process: the patches restore the seams.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch.nn.functional as F
 from optimized.parallel.launch import run_ranks
 from optimized.parallel.mesh import build_mesh
 from optimized.parallel.plan import ParallelPlan
-from optimized.parallel.sp import (SPFaults, attention_lse, key_mask_shard, kv_heads_for, merge_lse, shard_sequence,
+from optimized.parallel import sp, tp as tp_mod
+from optimized.parallel.sp import (attention_lse, key_mask_shard, kv_heads_for, merge_lse, shard_sequence,
                                    sp_attention, sp_index)
-from optimized.parallel.tp import column_parallel, column_shard, row_parallel, row_shard
+from optimized.parallel.tp import column_parallel, row_parallel, row_shard
+from parity.parallel_faults import planted
 
 TOL = 1e-6
 # at ~200-sigma logits fp32 SDPA itself is ~1e-5 from an fp64 softmax: that case is held to 5e-5
@@ -64,6 +67,16 @@ def test_lse_merge_is_exact_over_key_splits():
     assert (o - want).abs().max() < TOL and torch.isfinite(o).all()
 
 
+def test_fault_patches_restore_their_seams():
+    seams = (sp.split_head_groups, sp.attention_lse, tp_mod.column_shard)
+    for name in ("ulysses-heads-permuted", "ring-no-max-shift", "tp-column-wrong-slice"):
+        with planted(name):
+            assert (sp.split_head_groups, sp.attention_lse, tp_mod.column_shard) != seams, name
+        assert (sp.split_head_groups, sp.attention_lse, tp_mod.column_shard) == seams, name
+    with pytest.raises(KeyError, match="unknown parallel fault"):
+        planted("no-such-fault")
+
+
 def test_padding_and_gqa_rules():
     assert shard_sequence(torch.arange(13).view(1, 13), 4, 3).tolist() == [[12, 0, 0, 0]]
     assert key_mask_shard(1, 13, 4, 3).tolist() == [[True, False, False, False]]
@@ -84,7 +97,7 @@ CASES = {  # name -> make_case kwargs (+ kv_replicated)
 }
 
 
-def _case_errors(plan_name: str, faults: dict) -> dict:
+def _case_errors(plan_name: str) -> dict:
     """Every case on this rank: max |sp_attention - SDPA| over this rank's real query rows."""
     mesh = build_mesh(ParallelPlan.parse(plan_name))
     index, n = sp_index(mesh)
@@ -102,7 +115,7 @@ def _case_errors(plan_name: str, faults: dict) -> dict:
         else:  # padded key rows are masked out
             kl, vl = shard_sequence(k, n, index), shard_sequence(v, n, index)
             ml = shard_sequence(full_mask, n, index)
-        got = sp_attention(ql, kl, vl, ml, mesh, kv_replicated=replicated, faults=SPFaults(**faults))
+        got = sp_attention(ql, kl, vl, ml, mesh, kv_replicated=replicated)
         rows = min(ql.shape[1], max(0, q.shape[1] - index * ql.shape[1]))   # this rank's real (unpadded) rows
         err = (got[:, :rows].double() - want[:, :rows]).abs().max() if rows else torch.tensor(0.0)
         out[name] = float(err) if torch.isfinite(err) else float("inf")
@@ -110,7 +123,7 @@ def _case_errors(plan_name: str, faults: dict) -> dict:
     return out
 
 
-def _tp_errors(plan_name: str, faults: dict) -> dict:
+def _tp_errors(plan_name: str) -> dict:
     """A tensor-parallel MLP (column then row split, sliced from the whole weights) vs the whole MLP."""
     mesh = build_mesh(ParallelPlan.parse(plan_name))
     tp = mesh.axis("tp")
@@ -118,18 +131,21 @@ def _tp_errors(plan_name: str, faults: dict) -> dict:
     x, w1, b1 = torch.randn(2, 5, 16, generator=g), torch.randn(32, 16, generator=g), torch.randn(32, generator=g)
     w2, b2 = torch.randn(16, 32, generator=g), torch.randn(16, generator=g)
     want = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
-    wrong = faults.get("wrong_slice", False)
-    h = column_parallel(x, column_shard(w1, tp, wrong), column_shard(b1, tp, wrong))
+    h = column_parallel(x, tp_mod.column_shard(w1, tp), tp_mod.column_shard(b1, tp))
     got = row_parallel(F.gelu(h), row_shard(w2, tp), b2, tp)
     return {"tp_mlp": float((got - want).abs().max() / want.abs().max())}
 
 
 def _sp_worker(group, runs: list) -> list[dict]:
-    return [(_tp_errors if plan.startswith("tp") else _case_errors)(plan, faults) for plan, faults in runs]
+    out = []
+    for plan, fault in runs:
+        with planted(fault):   # this rank's own patch (parity/parallel_faults.py)
+            out.append((_tp_errors if plan.startswith("tp") else _case_errors)(plan))
+    return out
 
 
-def _errors(runs: list[tuple[str, dict]], ws: int) -> list[dict[str, float]]:
-    """One spawn of `ws` ranks running every (plan, faults); per run, the worst error over ranks per case."""
+def _errors(runs: list[tuple[str, str | None]], ws: int) -> list[dict[str, float]]:
+    """One spawn of `ws` ranks running every (plan, fault); per run, the worst error over ranks per case."""
     res = run_ranks(_sp_worker, ws, (runs,), timeout_s=120)
     return [{name: max(r[i][name] for r in res) for name in res[0][i] if name != "bytes_sent"}
             for i in range(len(runs))]
@@ -143,8 +159,8 @@ def exact(errs: dict[str, float]) -> bool:
 def test_ulysses2_and_ring2_equal_sdpa_and_controls_fail():
     """One spawn of 2 ranks: both plans, then the negative controls on the same sizes."""
     good_u, good_r, bad_u, bad_r, good_tp, bad_tp = _errors(
-        [("ulysses2", {}), ("ring2", {}), ("ulysses2", {"permute_heads": True}), ("ring2", {"max_shift": False}),
-         ("tp2", {}), ("tp2", {"wrong_slice": True})], 2)
+        [("ulysses2", None), ("ring2", None), ("ulysses2", "ulysses-heads-permuted"), ("ring2", "ring-no-max-shift"),
+         ("tp2", None), ("tp2", "tp-column-wrong-slice")], 2)
     assert good_tp["tp_mlp"] < TOL and bad_tp["tp_mlp"] > 1e-2, (good_tp, bad_tp)   # a TP shard from the wrong slice
     assert exact(good_u), good_u
     assert exact(good_r), good_r
@@ -155,8 +171,8 @@ def test_ulysses2_and_ring2_equal_sdpa_and_controls_fail():
 @pytest.mark.dist
 @pytest.mark.slow
 def test_four_ranks_equal_sdpa_and_controls_fail():
-    runs = [("ulysses4", {}), ("ring4", {}), ("ulysses2,ring2", {}), ("ulysses2,ring2", {"permute_heads": True}),
-            ("ring4", {"max_shift": False})]
+    runs = [("ulysses4", None), ("ring4", None), ("ulysses2,ring2", None), ("ulysses2,ring2", "ulysses-heads-permuted"),
+            ("ring4", "ring-no-max-shift")]
     *good, bad_u, bad_r = _errors(runs, 4)
     for (plan, _), errs in zip(runs, good):
         assert exact(errs), (plan, errs)

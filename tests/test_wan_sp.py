@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,8 +55,8 @@ def test_invalid_plan_exits_2_naming_the_constraint():
     bad = fvparity("run", "wan", "--level", "C1", "--variant", VARIANT, "--plan", "ulysses3")
     assert bad.returncode == 2, bad.stderr
     assert "2 heads are not divisible by ulysses x tp = 3" in bad.stderr
-    other = fvparity("run", "cosmos3", "--level", "C1", "--plan", "ulysses2")
-    assert other.returncode == 2 and "--plan ulysses2 does not apply" in other.stderr
+    other = fvparity("run", "wan", "--level", "C0", "--plan", "ulysses2")      # C0 takes no plan (C1 does)
+    assert other.returncode == 2 and "--plan ulysses2 does not apply" in other.stderr, other.stderr
 
 
 @pytest.mark.dist
@@ -96,3 +97,29 @@ def test_sp_dit_with_padded_sequence(plan):
     want = WanModelInstance.random(cfg, 0).dit.forward_batch(*dit_inputs(cfg, (2, 6), frames=1))
     for got in run_ranks(_sp_dit_worker, 2, (plan, 1, (2, 6)), timeout_s=240):
         assert float((got - want).norm() / want.norm()) < 1e-6
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_cfg_branches_swapped_fails_at_step_0_after_the_dit():
+    bad = [c for c in c1("cfgp2", fault="cfg-branches-swapped").checks if not c.passed]
+    assert bad, "C1 passed with the CFG branches swapped across ranks"
+    assert any("step 0, no layer (rank 0)" in (c.divergence or "") for c in bad), \
+        [(c.name, c.divergence) for c in bad][:6]
+
+
+def test_parallel_faults_are_declared_with_their_axis_and_refused_without_it():
+    from parity.errors import SetupError
+    from parity.families.wan import faults
+    from parity.families.wan.parallel import parse_plan
+
+    assert {f.name for f in faults.PARALLEL_FAULT_DECLS} == set(faults.PARALLEL_FAULTS)
+    assert set(faults.PARALLEL_FAULTS) <= set(faults.C1_FAULTS)
+    models = [SimpleNamespace(cfg=load_model_variant(VARIANT))]
+    for fault, plan in (("ulysses-heads-permuted", "ring2"), ("tp-wrong-slice", "cfgp2"),
+                        ("cfg-branches-swapped", "tp2")):
+        with pytest.raises(SetupError, match=f"fault {fault} lives on the"):
+            parse_plan(plan, models, "cpu", fault)
+    for fault, plan in (("ulysses-heads-permuted", "ulysses2"), ("tp-wrong-slice", "tp2"),
+                        ("cfg-branches-swapped", "cfgp2")):
+        assert parse_plan(plan, models, "cpu", fault).world_size == 2

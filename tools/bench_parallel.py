@@ -12,7 +12,8 @@ sizes; S = attention tokens padded to a multiple of n_sp = ulysses x ring; t = t
              when S was padded
     ring     per attention: (r-1) shifts of K and V, b*S/r*kv_heads/(u t)*D each, + the mask when padded
     tp       per block: one SUM all-reduce of [b, S/n_sp, hidden] per row-parallel output (wan 3: self, cross,
-             FFN; cosmos3 2: attention, MLP), 2(t-1)/t of it each
+             FFN; cosmos3 2: attention, MLP), 2(t-1)/t of it each (wan's across-heads q / k RMS norms also
+             all-reduce one fp32 sum of squares per row, 4 per block + text rows: < 0.1% of these, not modelled)
     per step the SP output gather of [b, S/n_sp, patch out] (ulysses then ring axis) and the CFG gather of the
              predictions (cfgp-1 padded shares of the latent). Cross-attention (wan's text) moves nothing.
 Counted bytes are what AxisGroup logs (the direct-exchange payload; ring / tree algorithms inside NCCL move more).

@@ -1,5 +1,6 @@
 """Model-agnostic parallel runtime: the named ParallelPlan and family contracts (plan.py), the device mesh with one
-AxisGroup per axis (mesh.py, group.py), SP attention primitives (sp.py: Ulysses, ring), CFG-parallel (cfg_parallel.py),
+AxisGroup per axis (mesh.py, group.py), SP attention primitives (sp.py: Ulysses, ring), tensor-parallel
+layers and sliced checkpoint reads (tp.py), CFG-parallel (cfg_parallel.py),
 the split VAE decode (vae_split.py), seedvr2's LPT planner and Plan A redistribution, the watchdog and launchers."""
 
 from optimized.parallel.group import AxisGroup, CollectiveError, SPGroup, init_sp_from_env

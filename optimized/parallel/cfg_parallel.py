@@ -10,8 +10,8 @@ The rows (cond then uncond) are split into contiguous, nearly equal parts in axi
 guided and cfgp = 2, rank 0 runs exactly the cond branch and rank 1 the uncond branch. When some rank would get no
 row (e.g. one unguided request), every rank runs every row and nothing is exchanged. Predictions may be tensors or
 dataclasses / dicts / lists of tensors (cosmos3's Cosmos3Prediction): their structure goes as a small object, their
-tensors as one padded all_gather per dtype. Fault for negative controls: `swap_branches` (rank r runs rank
-n-1-r's rows but reports them as its own).
+tensors as one padded all_gather per dtype. Declared seam for negative controls: `CFGParallel.branch_rows` (which
+rows this rank runs; parity/parallel_faults.py patches it to swap the branches across ranks).
 """
 
 from __future__ import annotations
@@ -133,9 +133,8 @@ class CFGParallel(CFGPolicy):
     """Branches of a guided batch spread over the cfgp axis; predictions gathered; every rank combines."""
     name = "cfg-parallel"
 
-    def __init__(self, group: AxisGroup | None = None, swap_branches: bool = False):
+    def __init__(self, group: AxisGroup | None = None):
         self.group = group or AxisGroup.single("cfgp")
-        self.swap_branches = swap_branches
         self.stats = {"steps": 0, "replicated_steps": 0}
 
     def run(self, forward_batch: ForwardBatch, cond: Sequence, uncond: Sequence) -> tuple[list, list]:
@@ -145,12 +144,14 @@ class CFGParallel(CFGPolicy):
             self.stats["replicated_steps"] += n > 1
             return BatchedCFG().run(forward_batch, cond, uncond)
         self.stats["steps"] += 1
-        parts = split_rows(len(rows), n)
-        mine = n - 1 - self.group.rank if self.swap_branches else self.group.rank
-        a, b = parts[mine]
+        a, b = self.branch_rows(len(rows))
         local = list(forward_batch(rows[a:b]))
         preds = [p for rank_preds in all_gather_structures(self.group, local) for p in rank_preds]
         return preds[: len(cond)], preds[len(cond):]
+
+    def branch_rows(self, n_rows: int) -> tuple[int, int]:
+        """[start, end) of the rows (cond then uncond) this rank runs."""
+        return split_rows(n_rows, self.group.world_size)[self.group.rank]
 
 
 CFG_POLICIES[CFGParallel.name] = CFGParallel   # make_policy("cfg-parallel"): a degree-1 group until given one

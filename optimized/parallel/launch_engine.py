@@ -5,7 +5,8 @@
 
 Every rank checks the plan against the family's contract before any process group exists (exit 2 with one message
 naming the constraint), then joins the group with a collective timeout, builds the mesh, receives the requests
-from rank 0, loads the same model, attaches the mesh through the family's `parallelize` hook and runs the requests
+from rank 0, loads the same model (with `--checkpoint` and tp > 1 each rank reads only its tensor-parallel shards:
+the family contract's `load_sharded`), attaches the mesh through the family's `parallelize` hook and runs the requests
 on its own scheduler (the schedulers stay in lockstep: same requests, same order, deterministic planning). A rank
 that dies or hangs ends the run: the waiting ranks' collectives time out or see the peer gone, and the error names
 that rank (optimized/parallel/watchdog.py); torchrun then stops the rest. Exit codes: 0 ok, 1 run failed, 2 refused.
@@ -44,7 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="rank 0 writes {'results': [...], 'plan': ..., 'seconds': ...} here (torch.save)")
     p.add_argument("--cfg-policy", default="batched", help="CFG policy when cfgp is 1")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
-    p.add_argument("--fault", default="", help="test hook: exit:RANK | hang:RANK | raise:RANK (before the first step)")
     return p
 
 
@@ -70,20 +70,6 @@ def _requests(args, entry) -> list:
         rtype = next(t for t, loop in entry.request_types.items() if loop == "denoise")
         return [rtype(**data)]
     raise SystemExit("error: give --requests FILE or --request-json JSON")
-
-
-def _fault(spec: str, rank: int, watchdog) -> None:
-    if not spec:
-        return
-    kind, who = spec.split(":")
-    if int(who) != rank:
-        return
-    if kind == "exit":      # a crash: no goodbye in the store
-        os._exit(3)
-    if kind == "hang":      # alive (heartbeats continue) but never reaches its next collective
-        time.sleep(10_000)
-    if kind == "raise":
-        raise RuntimeError(f"planted failure on rank {rank}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,13 +112,17 @@ def _run(args, plan: ParallelPlan, entry, rank: int, world: int) -> int:
         world_group = AxisGroup.from_world("world")
         world_group.watchdog = watchdog
         requests = _requests(args, entry) if rank == 0 else None
-        _fault(args.fault, rank, watchdog)
         requests = world_group.broadcast_object(requests, src=0)
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else args.cfg_policy
         kw = dict(cfg_policy=policy, group=mesh.axis("sp_window") if plan.sp_window > 1 else None)
-        engine = Engine.from_variant(args.variant, args.seed, device=device, family=args.family, **kw) \
-            if args.variant else Engine.from_checkpoint(args.checkpoint, device=device, **kw)
+        load_sharded = getattr(entry.parallelize, "load_sharded", None)
+        if args.checkpoint and plan.tp > 1 and load_sharded is not None:   # read this rank's tp shards only
+            engine = Engine(load_sharded(args.checkpoint, mesh, device), entry, **kw)
+        elif args.variant:
+            engine = Engine.from_variant(args.variant, args.seed, device=device, family=args.family, **kw)
+        else:
+            engine = Engine.from_checkpoint(args.checkpoint, device=device, **kw)
         if entry.parallelize is not None:
             entry.parallelize(engine.model, mesh)
         start = time.perf_counter()

@@ -190,6 +190,8 @@ class ParallelismContract:
     notes: tuple[str, ...] = ()   # constraints the runtime keeps that are not checked here (said in errors / docs)
     # instance -> (object, method name) pairs whose CacheKeys must carry the plan hash (filled by the hook)
     cache_keys: Callable[[Any], tuple[tuple[Any, str], ...]] | None = None
+    # (checkpoint path, mesh, device, dtype) -> this rank's instance with its tp shards read from the checkpoint only
+    load_sharded: Callable[..., Any] | None = None
 
     def check(self, plan: ParallelPlan, cfg: Any = None, world_size: int | None = None,
               require_implemented: bool = True) -> list[str]:

@@ -10,28 +10,19 @@ split evenly; rank (ring index i, ulysses index j) holds chunk i * ulysses + j; 
 `key_mask` is a bool [B, S_local] (True = attend) or None. Cross-attention over a context every rank holds whole
 (wan's text) passes `kv_replicated=True`: each query row attends to the whole context locally, nothing is exchanged
 (the text K/V projections are computed for every head on every rank: L = 512 rows, cheap next to the video).
-Faults for negative controls: `permute_heads` (the forward all-to-all sends head groups to the wrong ranks) and
-`max_shift=False` (ring partials accumulated as raw exp sums: overflows at large logits).
+Declared seams for negative controls (parity/parallel_faults.py patches them, nothing here knows about faults):
+`split_head_groups` (which head group goes to which rank in the forward all-to-all) and `attention_lse` (the
+max-shifted partial attention every ring step merges).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from optimized.parallel.group import AxisGroup
-
-
-@dataclass(frozen=True)
-class SPFaults:
-    permute_heads: bool = False      # forward all-to-all sends head group (d + 1) % n to rank d; the inverse does not
-    max_shift: bool = True           # False: ring merge of raw exp sums (no running max): must fail at large logits
-
-
-NO_FAULTS = SPFaults()
 
 
 # ---- sequence sharding ----------------------------------------------------------------------------------------
@@ -66,16 +57,20 @@ def sp_index(mesh) -> tuple[int, int]:
 
 # ---- Ulysses ----------------------------------------------------------------------------------------------------
 
-def heads_to_sequence(x: torch.Tensor, group: AxisGroup, faults: SPFaults = NO_FAULTS) -> torch.Tensor:
+def split_head_groups(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, S, H, D] -> [n, B, S, H / n, D]: head group d (heads d * H / n ...) is chunk d, sent to rank d."""
+    B, S, H, D = x.shape
+    return x.reshape(B, S, n, H // n, D).permute(2, 0, 1, 3, 4)
+
+
+def heads_to_sequence(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """[B, S, H, D] (this rank's sequence chunk, all heads) -> [B, n * S, H / n, D] (the group's whole sequence,
     head group `rank`)."""
     n = group.world_size
     if n == 1:
         return x
     B, S, H, D = x.shape
-    chunks = x.reshape(B, S, n, H // n, D).permute(2, 0, 1, 3, 4)          # [n (head group = destination), B, S, h, D]
-    if faults.permute_heads:
-        chunks = chunks.roll(1, dims=0)
+    chunks = split_head_groups(x, n)                                         # [n (head group = destination), ...]
     got = group.all_to_all_equal(chunks)                                     # [n (source = sequence chunk), B, S, h, D]
     return got.permute(1, 0, 2, 3, 4).reshape(B, n * S, H // n, D)
 
@@ -134,8 +129,7 @@ def merge_lse(o_a, lse_a, o_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
     return (wa * o_a.float() + wb * o_b.float()).to(o_a.dtype), lse
 
 
-def ring_attention(q, k, v, key_mask, ring: AxisGroup, scale: float,
-                   faults: SPFaults = NO_FAULTS) -> torch.Tensor:
+def ring_attention(q, k, v, key_mask, ring: AxisGroup, scale: float) -> torch.Tensor:
     """Forward-only ring attention: this rank's queries against every rank's K/V block, blocks passed to the next
     rank (n - 1 shifts), partials merged by log-sum-exp."""
     n = ring.world_size
@@ -145,33 +139,20 @@ def ring_attention(q, k, v, key_mask, ring: AxisGroup, scale: float,
     kv = torch.cat([k, v], -1)                                               # one message per shift
     D = k.shape[-1]
     out = lse = None
-    num = den = None
     for step in range(n):
-        kb, vb = kv[..., :D], kv[..., D:]
-        if faults.max_shift:
-            o, l_ = attention_lse(q, kb, vb, key_mask, scale)
-            out, lse = (o, l_) if out is None else merge_lse(out, lse, o, l_)
-        else:  # the fault: raw exp sums without the running max
-            H = q.shape[2]
-            s = (q.transpose(1, 2).float() @ _expand_kv(kb, H).transpose(1, 2).float().transpose(-1, -2)) * scale
-            p = torch.exp(s).masked_fill(~key_mask[:, None, None, :], 0.0)
-            pv = p @ _expand_kv(vb, H).transpose(1, 2).float()
-            num = pv if num is None else num + pv
-            den = p.sum(-1, keepdim=True) if den is None else den + p.sum(-1, keepdim=True)
+        o, l_ = attention_lse(q, kv[..., :D], kv[..., D:], key_mask, scale)
+        out, lse = (o, l_) if out is None else merge_lse(out, lse, o, l_)
         if step < n - 1:
             kv = ring.ring_shift(kv)
             if travels:
                 key_mask = ring.ring_shift(key_mask.to(torch.uint8)).bool()
-    if not faults.max_shift:
-        return (num / den).to(q.dtype).transpose(1, 2)
     return out
 
 
 # ---- the attention function -------------------------------------------------------------------------------------
 
 def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, mesh,
-                 scale: float | None = None, kv_replicated: bool = False,
-                 faults: SPFaults = NO_FAULTS) -> torch.Tensor:
+                 scale: float | None = None, kv_replicated: bool = False) -> torch.Tensor:
     """Attention of this rank's query chunk [B, S, H, D] over the whole (sharded) key sequence; == single-process
     SDPA on the unsharded tensors, restricted to this rank's rows. `mesh` has axes "sp_ulysses" and "sp_ring"
     (a ParallelMesh). `kv_replicated`: k / v (and key_mask) are the whole context on every rank."""
@@ -181,12 +162,12 @@ def sp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
         return _sdpa(q, k, v, key_mask, scale)
     H = q.shape[2]
     if u.world_size > 1:
-        q = heads_to_sequence(q, u, faults)
+        q = heads_to_sequence(q, u)
         k, v = kv_heads_for(k, u.world_size), kv_heads_for(v, u.world_size)
-        k, v = heads_to_sequence(k, u, faults), heads_to_sequence(v, u, faults)
+        k, v = heads_to_sequence(k, u), heads_to_sequence(v, u)
         if key_mask is not None:
             key_mask = torch.cat(u.all_gather(key_mask.to(torch.uint8)), 1).bool()
-    out = ring_attention(q, k, v, key_mask, r, scale, faults) if r.world_size > 1 else _sdpa(q, k, v, key_mask, scale)
+    out = ring_attention(q, k, v, key_mask, r, scale) if r.world_size > 1 else _sdpa(q, k, v, key_mask, scale)
     if u.world_size > 1:
         out = sequence_to_heads(out, u)
     assert out.shape[2] == H

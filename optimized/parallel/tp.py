@@ -1,38 +1,45 @@
 """Tensor parallel linear layers (Megatron column / row split) over the tp axis, loaded as slices of the canonical
-weights (a rank never needs the other ranks' slices: `column_shard` / `row_shard` take views, and a checkpoint
-reader can read just those rows / columns).
+weights (a rank never needs the other ranks' slices: `column_shard` / `row_shard` take views, and
+`read_slice` reads just those rows / columns of a tensor stored in a safetensors file).
 
     h = column_parallel(x, column_shard(w1, tp), column_shard(b1, tp))     # [.., out / n], no communication
     y = row_parallel(act(h), row_shard(w2, tp), b2, tp)                     # [.., out], one SUM all-reduce
 
 Attention splits by heads the same way: q / k / v projections column-parallel (heads / n per rank), the output
-projection row-parallel. Fault for negative controls: `wrong_slice` loads rank (r + 1) % n's slice.
+projection row-parallel; an RMS norm over all heads' channels (wan's `rms_norm_across_heads`) reduces its sum of
+squares over the axis (`sharded_rms_norm`). Declared seams for negative controls (parity/parallel_faults.py patches
+them): `column_shard` / `row_shard` (which slice a rank keeps).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from optimized.parallel.group import AxisGroup
 
 
-def _slice(t: torch.Tensor, dim: int, group: AxisGroup, wrong_slice: bool = False) -> torch.Tensor:
+def shard_bounds(size: int, group: AxisGroup, what: str = "dim") -> tuple[int, int]:
+    """(start, length) of this rank's equal part of `size` rows / columns."""
     n = group.world_size
-    if t.shape[dim] % n:
-        raise ValueError(f"dim {dim} of size {t.shape[dim]} does not split over tp = {n}")
-    r = (group.rank + 1) % n if wrong_slice else group.rank
-    return t.narrow(dim, r * (t.shape[dim] // n), t.shape[dim] // n)
+    if size % n:
+        raise ValueError(f"{what} of size {size} does not split over tp = {n}")
+    return group.rank * (size // n), size // n
 
 
-def column_shard(w: torch.Tensor, group: AxisGroup, wrong_slice: bool = False) -> torch.Tensor:
+def column_shard(w: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """This rank's output rows of a [out, in] weight (or of a [out] bias)."""
-    return _slice(w, 0, group, wrong_slice)
+    start, length = shard_bounds(w.shape[0], group)
+    return w.narrow(0, start, length)
 
 
-def row_shard(w: torch.Tensor, group: AxisGroup, wrong_slice: bool = False) -> torch.Tensor:
+def row_shard(w: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """This rank's input columns of a [out, in] weight."""
-    return _slice(w, 1, group, wrong_slice)
+    start, length = shard_bounds(w.shape[1], group)
+    return w.narrow(1, start, length)
 
 
 def column_parallel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,3 +50,32 @@ def row_parallel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group
     """Partial products summed over the axis; the bias added once, after the sum."""
     y = group.all_reduce_sum(F.linear(x, w))
     return y if b is None else y + b
+
+
+def sharded_rms_norm(x: torch.Tensor, weight: torch.Tensor, full_dim: int, eps: float,
+                     group: AxisGroup) -> torch.Tensor:
+    """F.rms_norm over a last dim that is column-sharded across the axis: x [..., full_dim / n] and its weight slice;
+    the fp32 sum of squares is all-reduced (torch's rms_norm arithmetic: fp32 throughout, cast back at the end)."""
+    xf = x.float()
+    ss = group.all_reduce_sum(xf.pow(2).sum(-1, keepdim=True))
+    return (xf * torch.rsqrt(ss / full_dim + eps) * weight.float()).to(x.dtype)
+
+
+# ---- reading a slice of a stored tensor ---------------------------------------------------------------------------
+
+_NP_VIEWS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+             torch.bfloat16: np.int16}   # numpy has no bf16: the bytes go through int16 and back
+
+
+def read_slice(file: str | Path, offset: int, dtype: torch.dtype, shape: tuple[int, ...], dim: int, start: int,
+               length: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of the C-order tensor stored at byte `offset` of
+    `file`, read through a memory map: only the slice's pages are touched and only the slice is copied."""
+    if dtype not in _NP_VIEWS:
+        raise ValueError(f"read_slice: unsupported dtype {dtype}")
+    mm = np.memmap(file, dtype=_NP_VIEWS[dtype], mode="r", offset=offset, shape=tuple(shape))
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(start, start + length)
+    part = torch.from_numpy(np.array(mm[tuple(index)], copy=True))   # a copy: nothing keeps the map open
+    del mm
+    return part.view(dtype) if dtype == torch.bfloat16 else part

@@ -13,7 +13,7 @@ from optimized.models.wan.spec import DECODE_LOOP, ENCODE_LOOP, vae_component, w
 from optimized.models.wan.vae import ConvCache, FastWanVAE, load_fast_vae
 from optimized.models.wan.vae_loops import (DecodeRequest, EncodeRequest, FastPosterior, VideoChunkEvent,
                                             WanVaeDecodeKernel, WanVaeEncodeKernel, chunk_bytes)
-from optimized.parallel.plan import AttentionShape, ModelShapes, ParallelismContract
+from optimized.parallel.plan import AttentionShape, ModelShapes, ParallelismContract, ParallelPlanError
 from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, RequestExtent
 from optimized.runtime.spec import ComponentSpec
 
@@ -66,24 +66,43 @@ def _parallel_shapes(cfg: WanModelConfig) -> ModelShapes:
 
 
 class _WanParallelism(ParallelismContract):
-    """The contract plus wan's attach step: with ulysses x ring > 1 every DiT expert runs sequence-parallel."""
+    """The contract plus wan's attach step: with ulysses x ring > 1 every DiT expert runs sequence-parallel; with
+    tp > 1 every expert keeps only its tp shard (already loaded sharded, or re-sharded here: parallelize.py)."""
 
     def __call__(self, instance, mesh):
         instance = super().__call__(instance, mesh)
         plan = mesh.plan if hasattr(mesh, "plan") else mesh
-        if plan.sp_ulysses * plan.sp_ring > 1 and hasattr(mesh, "axis"):
-            for dit in (instance.dit, instance.dit_2):
-                if dit is not None:
-                    dit.sp_mesh = mesh
+        for dit in instance.experts():
+            dit.graph_cache.parallel_plan_hash = plan.hash()   # every GraphKey of this expert names the layout
+        if not hasattr(mesh, "axis"):
+            return instance
+        for dit in (instance.dit, instance.dit_2):
+            if dit is None:
+                continue
+            if plan.sp_ulysses * plan.sp_ring > 1:
+                dit.sp_mesh = mesh
+            if plan.tp > 1:
+                if dit.tp is not None and dit.tp.world_size != plan.tp:
+                    raise ParallelPlanError(f"wan DiT loaded for tp = {dit.tp.world_size}, the plan has tp = {plan.tp}")
+                dit.shard_tp(mesh.axis("tp"))
         return instance
 
 
 PARALLELISM = _WanParallelism(
-    family="wan", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"), implemented=("cfgp", "sp_ulysses", "sp_ring"),
+    family="wan", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"),
+    implemented=("cfgp", "sp_ulysses", "sp_ring", "tp"),
     shapes=_parallel_shapes, kv_rule="divide", seq_rule="pad",
     notes=("ulysses / ring shard the video tokens of self-attention (padded to a multiple of ulysses x ring, "
-           "padded keys masked); cross-attention keeps the whole text on every rank (kv_replicated)",),
-    cache_keys=lambda instance: ((instance.text_encoder, "cache_key"),))
+           "padded keys masked); cross-attention keeps the whole text on every rank (kv_replicated)",
+           "tp splits the heads of self- and cross-attention and the FFN width (column / row parallel); UMT5, the "
+           "VAE and the DiT embeddings replicate",),
+    cache_keys=lambda instance: ((instance.text_encoder, "cache_key"),),
+    load_sharded=lambda *a, **kw: _load_sharded(*a, **kw))
+
+
+def _load_sharded(path, mesh, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    from optimized.models.wan.parallelize import load_sharded_instance
+    return load_sharded_instance(path, mesh, device, dtype)
 
 
 def _processor(tokenizer_dir):

@@ -40,7 +40,7 @@ class WanModelInstance:
 
     def __init__(self, cfg: WanModelConfig, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_version: str | None = None,
-                 vae_dtype: torch.dtype = torch.float32):
+                 vae_dtype: torch.dtype = torch.float32, tp=None):
         self.cfg = cfg.validate()
         names = component_names(cfg)
         missing, unknown = sorted(set(names) - set(weights)), sorted(set(weights) - set(names))
@@ -53,13 +53,27 @@ class WanModelInstance:
         def version(component: str) -> str | None:  # None: the component hashes its own weights
             return f"{weights_version}:{component}" if weights_version else None
 
-        self.dit = WanDiTFast(cfg.dit, weights[TRANSFORMER], device, dtype, weights_version=version(TRANSFORMER))
+        # tp: the DiT weights given are this tensor-parallel rank's shards (optimized/models/wan/parallelize.py)
+        self.dit = WanDiTFast(cfg.dit, weights[TRANSFORMER], device, dtype, weights_version=version(TRANSFORMER),
+                              tp=tp)
         self.dit_2 = WanDiTFast(cfg.dit_2, weights[TRANSFORMER_2], device, dtype,
-                                weights_version=version(TRANSFORMER_2), component_id=TRANSFORMER_2) \
+                                weights_version=version(TRANSFORMER_2), component_id=TRANSFORMER_2, tp=tp) \
             if cfg.two_experts else None
         self.text_encoder = UMT5Fast(cfg.text_encoder, weights[TEXT_ENCODER], device, dtype,
                                      weights_version=version(TEXT_ENCODER))
         self.vae: FastWanVAE = load_fast_vae(cfg.vae, weights[VAE], device=str(device), dtype=vae_dtype)
+
+    def experts(self) -> tuple[WanDiTFast, ...]:
+        return (self.dit,) + ((self.dit_2,) if self.dit_2 is not None else ())
+
+    def configure_graph(self, mode: str = "eager", *, attention: str | None = None, cfg_policy: str | None = None,
+                        variant: str | None = None) -> "WanModelInstance":
+        """How every DiT expert's block stack runs (eager / compile / cuda, through its CompileCache) and the attention
+        backend; `variant` is accepted for the same call as the other families (each expert's GraphKey names its own
+        component)."""
+        for dit in self.experts():
+            dit.configure_graph(mode, attention=attention, cfg_policy=cfg_policy)
+        return self
 
     def expert(self, index: int) -> WanDiTFast:
         """Expert 1 (`transformer`, high noise) or 2 (`transformer_2`, low noise)."""

@@ -13,7 +13,11 @@ Sequence parallel (`sp_mesh`, attached by the family's `parallelize` hook when t
 video tokens are sharded after the patch embedding (with their RoPE rows and per-token timesteps), self-attention
 runs through `optimized.parallel.sp.sp_attention` (padded keys masked), cross-attention stays local (the text is
 whole on every rank), the blocks run eagerly, and the tokens are all-gathered and trimmed before the output head.
-Without a mesh (or at degree 1) the single-process path runs unchanged.
+Tensor parallel (`tp`, given at load with this rank's shard of the weights, or attached by `parallelize` which
+re-shards loaded weights; optimized/models/wan/parallelize.py holds the per-key plan): q / k / v, the image K/V and
+the FFN up projection column-parallel (heads / tp per rank; the across-heads q / k RMS norm all-reduces its sum of
+squares), the attention and FFN output projections row-parallel (one SUM all-reduce each); it composes with SP
+(Ulysses then splits the rank's heads). Without a mesh (or at degree 1) the single-process path runs unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch.nn.functional as F
 from manifests.wan.dit import WanDiTConfig
 
 from optimized.attention import attend, check_backend
-from optimized.parallel.sp import NO_FAULTS, SPFaults, key_mask_shard, shard_sequence, sp_attention, sp_index
+from optimized.parallel.group import AxisGroup
+from optimized.parallel.sp import key_mask_shard, shard_sequence, sp_attention, sp_index
+from optimized.parallel.tp import row_parallel, sharded_rms_norm
 from optimized.models.wan.spec import DIT, dit_component
 from optimized.runtime.cache import state_dict_hash
 from optimized.runtime.compile import GRAPH_MODES, CompileCache, GraphKey
@@ -91,11 +97,16 @@ class WanDiTFast:
 
     def __init__(self, cfg: WanDiTConfig, state: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_version: str | None = None,
-                 component_id: str = DIT) -> None:
+                 component_id: str = DIT, tp: AxisGroup | None = None) -> None:
+        """`tp`: `state` is this rank's tensor-parallel shard (parallelize.read_sharded_state), not the whole DiT."""
         self.cfg = cfg.validate()
         self.device = torch.device(device)
         self.dtype = dtype
         self.component = dit_component(cfg, component_id)
+        self.tp: AxisGroup | None = None       # a tp axis of degree > 1: this rank holds heads / tp and ffn / tp
+        if tp is not None and tp.world_size > 1:
+            from optimized.models.wan.parallelize import sharded_component
+            self.component, self.tp = sharded_component(self.component, cfg, tp), tp
         self.params = apply_load_transforms(self.component, state, dtype=dtype, device=self.device)
         self.weights_version = weights_version or state_dict_hash(state)
         self.blocks = [self._block(i) for i in range(cfg.num_layers)]
@@ -112,7 +123,17 @@ class WanDiTFast:
         self.graph_cache = CompileCache()
         self.last_step_info: dict[str, str] = {}
         self.sp_mesh = None                    # a ParallelMesh with ulysses x ring > 1: sequence-parallel forward
-        self.sp_faults: SPFaults = NO_FAULTS   # negative controls in the SP all-to-all (parity only)
+
+    def shard_tp(self, tp: AxisGroup) -> "WanDiTFast":
+        """Keep only this tp rank's shard of the loaded weights (parallelize.shard_params); the rest is freed."""
+        if tp.world_size == 1 or self.tp is not None:
+            return self
+        from optimized.models.wan.parallelize import shard_params, sharded_component
+        self.params = shard_params(self.component, self.params, tp)
+        self.component, self.tp = sharded_component(self.component, self.cfg, tp), tp
+        self.blocks = [self._block(i) for i in range(self.cfg.num_layers)]
+        self.graph_cache = CompileCache()
+        return self
 
     def _block(self, i: int) -> BlockWeights:
         p, g = f"blocks.{i}.", self.params.get
@@ -242,7 +263,7 @@ class WanDiTFast:
         sequence-parallel attention of this rank's tokens (None: local SDPA)."""
         cfg, dt = self.cfg, x.dtype
         B, N, D = x.shape
-        H, eps = cfg.num_heads, cfg.eps
+        H, eps = cfg.num_heads // self._tp_degree(), cfg.eps      # this rank's heads
         if timestep_proj.ndim == 4:   # per-token modulation (Wan2.2 TI2V)
             mod = (w.scale_shift_table.unsqueeze(0) + timestep_proj.float()).unbind(2)
         else:
@@ -252,30 +273,44 @@ class WanDiTFast:
         # 1. self-attention (fp32 LayerNorm + modulation, cast back)
         n = (F.layer_norm(x.float(), (D,), eps=eps) * (1 + scale_msa) + shift_msa).to(dt)
         q, k, v = F.linear(n, w.qkv_w, w.qkv_b).chunk(3, dim=-1)
-        q = F.rms_norm(q, (D,), w.norm_q1, eps).unflatten(2, (H, -1))
-        k = F.rms_norm(k, (D,), w.norm_k1, eps).unflatten(2, (H, -1))
+        q = self._qk_norm(q, w.norm_q1).unflatten(2, (H, -1))
+        k = self._qk_norm(k, w.norm_k1).unflatten(2, (H, -1))
         v = v.unflatten(2, (H, -1))
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
         a = (self_attention or self._sdpa)(q, k, v).flatten(2, 3).to(dt)
-        x = (x.float() + F.linear(a, w.out1_w, w.out1_b) * gate_msa).to(dt)
+        x = (x.float() + self._row_linear(a, w.out1_w, w.out1_b) * gate_msa).to(dt)
 
         # 2. cross-attention (text; + image tokens through their own K/V, summed before to_out)
         n = F.layer_norm(x.float(), (D,), w.norm2_w, w.norm2_b, eps).to(dt) if w.norm2_w is not None else x
-        q = F.rms_norm(F.linear(n, w.q2_w, w.q2_b), (D,), w.norm_q2, eps).unflatten(2, (H, -1))
+        q = self._qk_norm(F.linear(n, w.q2_w, w.q2_b), w.norm_q2).unflatten(2, (H, -1))
         k, v = F.linear(ctx, w.kv2_w, w.kv2_b).chunk(2, dim=-1)
-        k = F.rms_norm(k, (D,), w.norm_k2, eps).unflatten(2, (H, -1))
+        k = self._qk_norm(k, w.norm_k2).unflatten(2, (H, -1))
         a = self._sdpa(q, k, v.unflatten(2, (H, -1))).flatten(2, 3).to(dt)
         if img is not None:
             ki, vi = F.linear(img, w.add_kv_w, w.add_kv_b).chunk(2, dim=-1)
-            ki = F.rms_norm(ki, (D,), w.norm_added_k, eps).unflatten(2, (H, -1))
+            ki = self._qk_norm(ki, w.norm_added_k).unflatten(2, (H, -1))
             a_img = self._sdpa(q, ki, vi.unflatten(2, (H, -1))).flatten(2, 3).to(dt)
             a = a + a_img
-        x = x + F.linear(a, w.out2_w, w.out2_b)
+        x = x + self._row_linear(a, w.out2_w, w.out2_b)
 
         # 3. feed-forward (tanh GELU), fp32 gated residual
         n = (F.layer_norm(x.float(), (D,), eps=eps) * (1 + c_scale) + c_shift).to(dt)
-        f = F.linear(F.gelu(F.linear(n, w.ffn0_w, w.ffn0_b), approximate="tanh"), w.ffn2_w, w.ffn2_b)
+        f = self._row_linear(F.gelu(F.linear(n, w.ffn0_w, w.ffn0_b), approximate="tanh"), w.ffn2_w, w.ffn2_b)
         return (x.float() + f.float() * c_gate).to(dt)
+
+    # ------------------------------------------------------------------ tensor parallel
+    def _tp_degree(self) -> int:
+        return 1 if self.tp is None else self.tp.world_size
+
+    def _qk_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The q / k RMS norm across all heads (hidden_size channels); under TP over this rank's heads' channels
+        with the sum of squares all-reduced."""
+        D, eps = self.cfg.hidden_size, self.cfg.eps
+        return F.rms_norm(x, (D,), weight, eps) if self.tp is None else sharded_rms_norm(x, weight, D, eps, self.tp)
+
+    def _row_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """An output projection: row-parallel under TP (partial products all-reduced, the bias added once)."""
+        return F.linear(x, w, b) if self.tp is None else row_parallel(x, w, b, self.tp)
 
     # ------------------------------------------------------------------ forward
     def _check(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
@@ -339,12 +374,13 @@ class WanDiTFast:
 
         if self._sp_degree() > 1:
             x = self._sp_blocks(x, ctx, img, timestep_proj, rope, trace)
-        elif trace is None:
+        elif trace is None and self.tp is None:
             x = self._run_blocks(x, ctx, img, timestep_proj, rope)
-        else:
+        else:   # traced, or tensor parallel (eager: the blocks hold collectives)
             for i, block in enumerate(self.blocks):
                 x = self._block_forward(block, x, ctx, img, timestep_proj, rope)
-                trace[f"blocks.{i}"] = x
+                if trace is not None:
+                    trace[f"blocks.{i}"] = x
 
         sst = self.params["scale_shift_table"]                  # [1, 2, D] fp32
         if temb.ndim == 3:
@@ -382,7 +418,7 @@ class WanDiTFast:
         key_mask = None if N % n == 0 else key_mask_shard(B, N, n, index, x.device)   # padded keys masked
 
         def attention(q, k, v):
-            return sp_attention(q, k, v, key_mask, mesh, faults=self.sp_faults)
+            return sp_attention(q, k, v, key_mask, mesh)
 
         for i, block in enumerate(self.blocks):
             x = self._block_forward(block, x, ctx, img, timestep_proj, (cos, sin), self_attention=attention)

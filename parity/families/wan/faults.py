@@ -6,8 +6,12 @@ Where each is planted (context managers; everything is restored on exit, caches 
     UMT5     (UMT5Fast)        text-padding-not-zeroed
     VAE      (FastWanVAE)      vae-perturbed-weight, rep-context, dropped-cache   (parity/families/wan/vae.py)
     loop     (wan.denoise)     expert-switch-late
+    graph    (optimized.runtime.compile.copy_in, every DiT expert; parity/graph_faults.py)   stale-static-buffer
     decode   (media chain)     inverted-latents-std
-    SP       (WanDiTFast.sp_faults, in every rank)   ulysses-heads-permuted   (C1 with --plan ulysses*)
+    parallel (patched in every rank by the rank's own entry, before the model is parallelized; C1 with --plan)
+             optimized.parallel.sp.split_head_groups         ulysses-heads-permuted   (--plan ulysses*)
+             CFGParallel.branch_rows                          cfg-branches-swapped     (--plan cfgp2*)
+             optimized.models.wan.parallelize.tp_slice        tp-wrong-slice           (--plan tp*)
 DiT / UMT5 faults are planted in the C0 components and, for C1, in the engine's model instance too.
 """
 
@@ -38,11 +42,18 @@ FAULTS = (
           "step 2: expert 1, reference expert 2"),
     Fault("inverted-latents-std", "the engine's media chain de-normalises with z * (1 / std) + mean", "C4",
           "vae decode"),
+    Fault("stale-static-buffer", "the DiT's captured block stack replayed without copying new inputs into its "
+          "static buffers (emulated graph on CPU)", "C1", "step 1"),
 )
-# planted in every rank of a C1 run under --plan (tests/test_wan_sp.py), so kept apart from the one-process FAULTS
-SP_FAULT_DECLS = (
+# planted in every rank of a C1 run under --plan (tests/test_wan_sp.py, tests/test_wan_tp.py), so kept apart from
+# the one-process FAULTS
+PARALLEL_FAULT_DECLS = (
     Fault("ulysses-heads-permuted", "Ulysses SP: the forward all-to-all sends each head group to the wrong rank "
           "(C1 with --plan ulysses2)", "C1", "step 0, cond branch, layer blocks.0"),
+    Fault("cfg-branches-swapped", "CFG-parallel: each rank runs the other rank's branch and reports it as its own "
+          "(C1 with --plan cfgp2)", "C1", "step 0, no layer (rank 0): the DiT agrees on the reference's input"),
+    Fault("tp-wrong-slice", f"TP: block {FAULT_LAYER}'s FFN down projection (row-parallel) loaded from the next "
+          "rank's slice (C1 with --plan tp2)", "C1", f"step 0, cond branch, layer blocks.{FAULT_LAYER}"),
 )
 FAULT_NAMES = tuple(f.name for f in FAULTS)
 DIT_FAULTS = ("rope-wrong-axis", "perturbed-weight")
@@ -50,11 +61,14 @@ UMT5_FAULTS = ("text-padding-not-zeroed",)
 VAE_FAULTS = {"vae-perturbed-weight": "perturbed-weight", "rep-context": "rep-context",
               "dropped-cache": "dropped-cache"}   # family name -> the name vae.py plants
 LOOP_FAULTS = ("expert-switch-late",)
+GRAPH_FAULTS = ("stale-static-buffer",)   # parity/graph_faults.py, in every DiT expert of the engine
 DECODE_FAULTS = ("inverted-latents-std",)
-SP_FAULTS = ("ulysses-heads-permuted",)
+PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
+                       "tp-wrong-slice": "tp"}   # fault -> the plan axis it lives on
+PARALLEL_FAULTS = tuple(PARALLEL_FAULT_AXES)
 
 C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + tuple(VAE_FAULTS)
-C1_FAULTS = DIT_FAULTS + UMT5_FAULTS + LOOP_FAULTS + SP_FAULTS
+C1_FAULTS = DIT_FAULTS + UMT5_FAULTS + LOOP_FAULTS + GRAPH_FAULTS + PARALLEL_FAULTS
 C4_FAULTS = DECODE_FAULTS
 
 
@@ -185,25 +199,36 @@ def planted_engine(fault: str | None, engine) -> Iterator[None]:
             stack.enter_context(planted_umt5(fault, engine.model.text_encoder))
         elif fault == "expert-switch-late":
             stack.enter_context(_expert_switch_late())
-        elif fault in SP_FAULTS:
-            stack.enter_context(planted_sp(fault, engine.model))
-        yield
+        elif fault == "stale-static-buffer":
+            from parity.graph_faults import stale_static_buffer
+            stack.enter_context(stale_static_buffer(engine.model.experts()))
+        yield   # parallel faults: planted by the rank itself around loading (planted_parallel)
 
 
-@contextlib.contextmanager
-def planted_sp(fault: str | None, instance) -> Iterator[None]:
-    """SP faults in every DiT expert of a (parallelized) model instance; a no-op in one process."""
-    from optimized.parallel.sp import NO_FAULTS, SPFaults
+def _tp_wrong_slice():
+    """Block FAULT_LAYER's ffn.net.2.weight (row-parallel) sliced as rank r + 1's columns, whether the shard is cut
+    from loaded weights or read from a checkpoint (both go through parallelize.tp_slice)."""
+    from optimized.models.wan import parallelize
 
-    dits = [d for d in (instance.dit, instance.dit_2) if d is not None]
-    if fault == "ulysses-heads-permuted":
-        for d in dits:
-            d.sp_faults = SPFaults(permute_heads=True)
-    try:
-        yield
-    finally:
-        for d in dits:
-            d.sp_faults = NO_FAULTS
+    def wrong(original):
+        def tp_slice(key, shape, tp):
+            got = original(key, shape, tp)
+            if got is None or key != f"blocks.{FAULT_LAYER}.ffn.net.2.weight":
+                return got
+            dim, start, length = got
+            return dim, (start + length) % shape[dim], length
+        return tp_slice
+    return _patched(parallelize, "tp_slice", wrong)
+
+
+def planted_parallel(fault: str | None):
+    """A parallel fault, entered by every rank before its model is loaded / parallelized (a no-op otherwise)."""
+    if fault == "tp-wrong-slice":
+        return _tp_wrong_slice()
+    if fault in PARALLEL_FAULTS:   # the runtime's own seams (parity/parallel_faults.py)
+        from parity.parallel_faults import planted
+        return planted(fault)
+    return contextlib.nullcontext()
 
 
 def planted_decode(fault: str | None):

@@ -2,24 +2,33 @@
 contract (optimized/models/wan PARALLELISM) before anything runs (a refused plan is a setup error, exit 2), the
 ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank runs c1's loop cases
 through its own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP inside the DiT; the
-cfgp axis through the CFG-parallel policy).
+cfgp axis through the CFG-parallel policy; tp through column / row-parallel DiT layers). With tp > 1 every rank
+loads its DiT shards from a canonical checkpoint (`--checkpoint`, or the variant's weights written as one by
+fvconvert into a temporary directory first): only its slices are read (optimized/models/wan/parallelize.py).
+A parallel fault is planted by each rank around its whole run, loading included (faults.planted_parallel).
 
 Rows per rank and request: c1's schedule rows, every step's latents and the final latents vs the fp32 reference
 pipeline (the loop tolerance), the engine's SP=N final latents vs the engine in one process (`vs_one_process`), and
-that every rank holds the same latents. Localisation: each rank also traces its (parallel) DiT on the reference's
-own DiT input of every step of each case's first request; the first divergent step is named with the first
-divergent layer of that trace.
+that every rank holds the same latents. Each rank also traces its (parallel) DiT on the reference's own DiT input
+of every step of each case's first request: for the first case every rank's DiT output on those inputs is a row of
+its own vs the reference DiT (C0 under the plan, the C0 DiT tolerance: `.../rankR/dit_stepS`), and the first
+divergent step of any case is localised to the first divergent layer of that trace.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from optimized.parallel.plan import ParallelPlan, ParallelPlanError
 from parity.errors import SetupError
-from parity.families.wan import faults
+from parity.families.wan import common, faults
 from parity.families.wan.c1 import (LoopCase, loop_cases, run_engine_case, run_reference, schedule_checks,
                                     trajectory_checks)
 from parity.families.wan.common import (DiTInputs, ModelUnderTest, contract_tolerance, engine_for, reference_pipeline,
@@ -44,8 +53,9 @@ def parse_plan(text: str, models: list[ModelUnderTest], device: str, fault: str 
         raise SetupError(f"--plan {text}: {e}") from None
     if plan.world_size > 1 and not device.startswith("cpu"):
         raise SetupError(f"--plan spawns its ranks on CPU (gloo); --device {device} does not apply")
-    if fault in faults.SP_FAULTS and plan.sp_ulysses == 1:
-        raise SetupError(f"fault {fault} lives in the Ulysses all-to-all: give a plan with ulysses > 1")
+    axis = faults.PARALLEL_FAULT_AXES.get(fault)
+    if axis is not None and getattr(plan, axis) == 1:
+        raise SetupError(f"fault {fault} lives on the {axis} axis: give a plan with {axis} > 1")
     return plan
 
 
@@ -60,7 +70,64 @@ def _dit_inputs(pipe, req, ref_run, step: int) -> tuple[int, DiTInputs]:
     return ref_run.experts[step], DiTInputs(*detached)
 
 
-def _rank_worker(group, plan_text: str, m: ModelUnderTest, seed: int, dname: str, cases: list[LoopCase], fault: str | None, probes: list[list[tuple[int, DiTInputs]]]) -> list:
+def write_model_dir(m: ModelUnderTest, root: Path) -> Path:
+    """The variant's weights as a canonical model directory: a diffusers pipeline root (canonical DiT / VAE names
+    are diffusers'; UMT5 with its tied embedding copy) converted by fvconvert. Returns the directory."""
+    from converters.cli import main as fvconvert
+
+    from safetensors.torch import save_file
+
+    cfg, src = m.cfg, root / "src"
+    configs = {"transformer": cfg.dit.to_diffusers_config(), "text_encoder": cfg.text_encoder.to_transformers_config(),
+               "vae": {"_class_name": "AutoencoderKLWan", **cfg.vae.to_diffusers_config()}}
+    if cfg.two_experts:
+        configs["transformer_2"] = cfg.dit_2.to_diffusers_config()
+    for name, config in configs.items():
+        state = {k: v.contiguous() for k, v in m.weights[name].items()}
+        if name == "text_encoder":   # (upstream) transformers saves the tied input embedding too
+            state["encoder.embed_tokens.weight"] = state["shared.weight"].clone()
+        (src / name).mkdir(parents=True)
+        (src / name / "config.json").write_text(json.dumps(config))
+        save_file(state, str(src / name / ("model.safetensors" if name == "text_encoder" else
+                                           "diffusion_pytorch_model.safetensors")))
+    # the pipeline's assets: a scheduler config the model config is read from, and a tokenizer folder (never used
+    # here: requests carry token ids)
+    (src / "scheduler").mkdir()
+    (src / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+        {"_class_name": "UniPCMultistepScheduler", "num_train_timesteps": cfg.num_train_timesteps,
+         "flow_shift": cfg.flow_shift, "use_flow_sigmas": True, "prediction_type": "flow_prediction"}))
+    (src / "tokenizer").mkdir()
+    (src / "tokenizer" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    index = {"_class_name": "WanImageToVideoPipeline" if cfg.task == "i2v" else "WanPipeline",
+             "_diffusers_version": "0.42.1", "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "T5TokenizerFast"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+             "transformer": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"],
+             "transformer_2": ["diffusers", "WanTransformer3DModel"] if cfg.two_experts else [None, None],
+             "boundary_ratio": cfg.boundary_ratio, "expand_timesteps": cfg.expand_timesteps}
+    (src / "model_index.json").write_text(json.dumps(index))
+    out = root / "canonical"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):   # not the report
+        known = ["--variant", m.name] if m.name in common.variants() else []   # else the configs say it all
+        failed = fvconvert(["wan", "--from", "diffusers", str(src), str(out), *known, "--skip-parity"])
+    if failed:
+        raise SetupError(f"fvconvert could not write {m.name} as a canonical checkpoint for the tp ranks")
+    return out
+
+
+def _rank_engine(m: ModelUnderTest, mesh, dname: str, seed: int, policy, checkpoint: str | None):
+    """This rank's engine: with tp > 1 the DiT shards are read from the checkpoint, else the whole weights."""
+    if mesh.plan.tp > 1 and checkpoint:
+        import optimized
+        from optimized.models.wan import FAMILY
+        from optimized.models.wan.parallelize import load_sharded_instance
+
+        return optimized.Engine(load_sharded_instance(checkpoint, mesh, "cpu", DTYPES[dname]), FAMILY,
+                                cfg_policy=policy)
+    return engine_for(m, "cpu", DTYPES[dname], seed, policy)
+
+
+def _rank_worker(group, plan_text: str, m: ModelUnderTest, seed: int, dname: str, cases: list[LoopCase],
+                 fault: str | None, probes: list[list[tuple[int, DiTInputs]]], checkpoint: str | None) -> list:
     """This rank's runs of every case, and its DiT traces on the probe inputs: [(runs, [trace per step])]."""
     from optimized.parallel.cfg_parallel import CFGParallel
     from optimized.parallel.mesh import build_mesh
@@ -68,63 +135,93 @@ def _rank_worker(group, plan_text: str, m: ModelUnderTest, seed: int, dname: str
     plan = ParallelPlan.parse(plan_text)
     mesh = build_mesh(plan)
     out = []
-    for case, case_probes in zip(cases, probes):
-        policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else case.cfg_policy
-        engine = engine_for(m, "cpu", DTYPES[dname], seed, policy)
-        engine.family.parallelize(engine.model, mesh)
-        traces = []
-        with faults.planted_engine(fault, engine):
-            runs = run_engine_case(engine, case)
-            for expert, x in case_probes:
-                trace: dict = {}
-                run_optimized_dit(engine.model.expert(expert), x, trace)
-                traces.append({k: v.float() for k, v in trace.items()})
-        out.append((runs, traces))
+    with faults.planted_parallel(fault):   # this rank's own patch, before anything is loaded
+        for case, case_probes in zip(cases, probes):
+            policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else case.cfg_policy
+            engine = _rank_engine(m, mesh, dname, seed, policy, checkpoint)
+            engine.family.parallelize(engine.model, mesh)
+            traces = []
+            with faults.planted_engine(fault, engine):
+                runs = run_engine_case(engine, case)
+                for expert, x in case_probes:
+                    trace: dict = {}
+                    run_optimized_dit(engine.model.expert(expert), x, trace)
+                    traces.append({k: v.float() for k, v in trace.items()})
+            out.append((runs, traces))
     return out
 
 
 def run_c1_plan(report: Report, models: list[ModelUnderTest], plan: ParallelPlan, device: str, dtypes: list[str],
                 seed: int, fault: str | None, progress: Callable[[str], None]) -> Report:
+    report.settings["plan"] = plan.name()
+    with tempfile.TemporaryDirectory(prefix="fvparity-tp-") as tmp:
+        for m in models:
+            checkpoint = report.settings.get("checkpoint")
+            if plan.tp > 1 and not checkpoint:
+                progress(f"[wan C1] {m.name}: writing the weights as a canonical checkpoint for the tp ranks")
+                checkpoint = str(write_model_dir(m, Path(tmp) / m.name))
+            _run_model(report, m, plan, device, dtypes, seed, fault, progress, checkpoint)
+    return report
+
+
+def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: str, dtypes: list[str], seed: int,
+               fault: str | None, progress: Callable[[str], None], checkpoint: str | None) -> None:
     from optimized.parallel.launch import run_ranks
 
-    report.settings["plan"] = plan.name()
-    for m in models:
-        pipe = reference_pipeline(m)
-        cases = loop_cases(m.cfg)
-        ref_runs = [[run_reference(pipe, req) for req in case.requests] for case in cases]
-        probes = [[_dit_inputs(pipe, case.requests[0], runs[0], s) for s in range(len(runs[0].trajectory))]
-                  for case, runs in zip(cases, ref_runs)]
-        for dname in dtypes:
-            tol = contract_tolerance("C1", "loop", dname, device)
-            step_tol = contract_tolerance("C0", "dit", dname, device)
-            progress(f"[wan C1] {m.name}/{dname}: plan {plan.name()} on {plan.world_size} gloo ranks, "
-                     f"{len(cases)} cases")
-            ranks = run_ranks(_rank_worker, plan.world_size, (plan.name(), m, seed, dname, cases, fault, probes), timeout_s=RANK_TIMEOUT_S)
-            for c, case in enumerate(cases):
-                one = run_engine_case(engine_for(m, device, DTYPES[dname], seed, case.cfg_policy), case)
-                prefix = f"{m.name}/{dname}/{plan.name()}/{case.name}"
-                for k, req in enumerate(case.requests):
-                    ref_run = ref_runs[c][k]
-                    for r, rank in enumerate(ranks):
-                        eng_run, traces = rank[c][0][k], rank[c][1]
-                        p = f"{prefix}/rank{r}" + (f"/req{k}" if len(case.requests) > 1 else "")
-                        report.checks += schedule_checks(p, ref_run, eng_run)
-                        report.checks += trajectory_checks(
-                            p, ref_run, eng_run, tol, lambda step, k=k, traces=traces, r=r, req=req, ref_run=ref_run:
-                            _localise(pipe, probes[c], traces, step, step_tol, r) if k == 0 else
-                            f"step {step} (rank {r}; layers are traced for the case's first request only)")
-                        if eng_run.latents is not None and one[k].latents is not None:
-                            mt = compare(eng_run.latents, one[k].latents)
-                            report.checks.append(CheckResult(
-                                f"{p}/vs_one_process", within(mt, tol), mt, tol,
-                                detail=f"engine final latents, plan {plan.name()} vs one process"))
-                    lat = [rank[c][0][k].latents for rank in ranks]
-                    agree = all(x is not None and torch.equal(x, lat[0]) for x in lat)
-                    report.checks.append(CheckResult(
-                        f"{prefix}" + (f"/req{k}" if len(case.requests) > 1 else "") + "/ranks_agree", agree,
-                        detail=f"final latents bitwise equal on all {len(ranks)} ranks" if agree else
-                        "the ranks hold different final latents"))
-    return report
+    pipe = reference_pipeline(m)
+    cases = loop_cases(m.cfg)
+    ref_runs = [[run_reference(pipe, req) for req in case.requests] for case in cases]
+    probes = [[_dit_inputs(pipe, case.requests[0], runs[0], s) for s in range(len(runs[0].trajectory))]
+              for case, runs in zip(cases, ref_runs)]
+    for dname in dtypes:
+        tol = contract_tolerance("C1", "loop", dname, device)
+        step_tol = contract_tolerance("C0", "dit", dname, device)
+        progress(f"[wan C1] {m.name}/{dname}: plan {plan.name()} on {plan.world_size} gloo ranks, "
+                 f"{len(cases)} cases")
+        ranks = run_ranks(_rank_worker, plan.world_size,
+                          (plan.name(), m, seed, dname, cases, fault, probes, checkpoint), timeout_s=RANK_TIMEOUT_S)
+        for c, case in enumerate(cases):
+            one = run_engine_case(engine_for(m, device, DTYPES[dname], seed, case.cfg_policy), case)
+            prefix = f"{m.name}/{dname}/{plan.name()}/{case.name}"
+            for k, req in enumerate(case.requests):
+                ref_run = ref_runs[c][k]
+                for r, rank in enumerate(ranks):
+                    eng_run, traces = rank[c][0][k], rank[c][1]
+                    p = f"{prefix}/rank{r}" + (f"/req{k}" if len(case.requests) > 1 else "")
+                    report.checks += schedule_checks(p, ref_run, eng_run)
+                    report.checks += trajectory_checks(
+                        p, ref_run, eng_run, tol, lambda step, k=k, traces=traces, r=r, req=req, ref_run=ref_run:
+                        _localise(pipe, probes[c], traces, step, step_tol, r) if k == 0 else
+                        f"step {step} (rank {r}; layers are traced for the case's first request only)")
+                    if eng_run.latents is not None and one[k].latents is not None:
+                        mt = compare(eng_run.latents, one[k].latents)
+                        report.checks.append(CheckResult(
+                            f"{p}/vs_one_process", within(mt, tol), mt, tol,
+                            detail=f"engine final latents, plan {plan.name()} vs one process"))
+                lat = [rank[c][0][k].latents for rank in ranks]
+                agree = all(x is not None and torch.equal(x, lat[0]) for x in lat)
+                report.checks.append(CheckResult(
+                    f"{prefix}" + (f"/req{k}" if len(case.requests) > 1 else "") + "/ranks_agree", agree,
+                    detail=f"final latents bitwise equal on all {len(ranks)} ranks" if agree else
+                    "the ranks hold different final latents"))
+        report.checks += _dit_checks(f"{m.name}/{dname}/{plan.name()}/{cases[0].name}", pipe, probes[0],
+                                     [rank[0][1] for rank in ranks], step_tol)
+
+
+def _dit_checks(prefix: str, pipe, probes: list[tuple[int, DiTInputs]], rank_traces: list[list[dict]],
+                tol) -> list[CheckResult]:
+    """C0 under the plan: every rank's parallel DiT output on the reference's own cond-branch input of every step of
+    the first case vs the reference DiT on that input (the C0 DiT tolerance)."""
+    out = []
+    for step, (expert, x) in enumerate(probes):
+        want: dict = {}
+        run_reference_dit(pipe.transformer if expert == 1 else pipe.transformer_2, x, want)
+        for r, traces in enumerate(rank_traces):
+            mt = compare(traces[step]["proj_out"], want["proj_out"].float())   # the output head, before unpatchify
+            out.append(CheckResult(f"{prefix}/rank{r}/dit_step{step}", within(mt, tol), mt, tol,
+                                   detail=f"parallel DiT (expert {expert}) on the reference's step-{step} input vs "
+                                          f"the reference DiT"))
+    return out
 
 
 def _localise(pipe, probes: list[tuple[int, DiTInputs]], traces: list[dict], step: int, tol, rank: int) -> str:
