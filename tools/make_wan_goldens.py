@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from manifests.wan.model import load_model_variant  # noqa: E402
 
 REL_L2_TOL = 1e-5
+# bf16 cases: both sides measured bit-identical to diffusers' bf16 CPU forward (rel-L2 0, torch 2.13 x86_64); one
+# extra bf16 rounding (the gated residual x + f * gate in bf16 instead of fp32) measures 3.7e-3..4.7e-3
+BF16_REL_L2_TOL = 1.5e-3
 TEXT_LEN_I2V = 512   # upstream's I2V attention splits the context at L - 512
 
 # calls: one DiT forward each; "text_lens" = per-sample count of non-zero text tokens (the rest are the pipeline's
@@ -46,6 +49,23 @@ CASES = {
         dict(latents=[1, 6, 3, 2, 6], timestep=("uniform", [333.5]), text_len=16, text_lens=[16])],
         description="tiny Wan2.2 TI2V DiT, expand_timesteps: per-token float timesteps [B, S] (0 on latent "
                     "frame 0, as WanPipeline builds them), B=2 with different t; then a uniform fractional t"),
+    "dit_i2v_flat_image": dict(probe="wan.dit", variant="tiny-2.1-i2v", seed=440, calls=[
+        dict(latents=[1, 12, 2, 4, 4], timestep=[875], text_len=TEXT_LEN_I2V, text_lens=[6], image_tokens=4,
+             image_std=2e-3)],
+        description="tiny Wan2.1 I2V DiT with CLIP embeddings of std 2e-3 (per-token variance ~4e-6): the image "
+                    "embedder's FP32LayerNorm eps (nn.LayerNorm's 1e-5, not the model's 1e-6) moves the output"),
+    "dit_i2v_original": dict(probe="wan.dit", variant="tiny-2.1-i2v", seed=450, upstream_format="original", calls=[
+        dict(latents=[1, 12, 2, 4, 4], timestep=[909], text_len=TEXT_LEN_I2V, text_lens=[9], image_tokens=3)],
+        description="tiny Wan2.1 I2V DiT stored in the original Wan-AI release layout (self_attn / cross_attn.k_img "
+                    "/ v_img / norm_k_img, img_emb.proj.*, head.*, modulation): the stored file converts back to "
+                    "the diffusers model bit for bit through diffusers' own convert_wan_transformer_to_diffusers"),
+    "dit_t2v_bf16": dict(probe="wan.dit", variant="tiny-2.1-t2v", seed=460, dtype="bfloat16",
+                         tolerance=BF16_REL_L2_TOL, calls=[
+        dict(latents=[2, 4, 3, 4, 6], timestep=[937, 250], text_len=16, text_lens=[8, 16]),
+        dict(latents=[1, 4, 2, 6, 4], timestep=[500], text_len=16, text_lens=[3])],
+        description="tiny Wan2.1 T2V DiT in bf16 as diffusers loads it (from_pretrained(torch_dtype=bfloat16): "
+                    "_keep_in_fp32_modules stay fp32), bf16 inputs, on CPU: pins where upstream computes in fp32 "
+                    "(the gated residuals, the norms) at a tolerance set from measured clean noise"),
     "umt5": dict(probe="wan.umt5", variant="tiny-2.1-t2v", seed=430, prompt_lens=[5, 19], max_sequence_length=24,
                  description="tiny UMT5 encoder (8 buckets, max distance 16): prompts of 5 and 19 tokens padded "
                              "to 24 (distances past max_distance), raw hidden states and the pipeline's "
@@ -104,6 +124,47 @@ def build_model(spec: dict):
     return model
 
 
+# diffusers WanTransformer3DModel name -> original Wan-AI WanModel name (wan/modules/model.py), applied in order;
+# build_case checks the result with diffusers' own convert_wan_transformer_to_diffusers (tensor for tensor)
+TO_ORIGINAL = (
+    (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
+    (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
+    (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
+    (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+    (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+    (r"^condition_embedder\.image_embedder\.norm1\.", "img_emb.proj.0."),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", "img_emb.proj.1."),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.2\.", "img_emb.proj.3."),
+    (r"^condition_embedder\.image_embedder\.norm2\.", "img_emb.proj.4."),
+    (r"\.attn1\.", ".self_attn."),
+    (r"\.attn2\.", ".cross_attn."),
+    (r"\.to_q\.", ".q."), (r"\.to_k\.", ".k."), (r"\.to_v\.", ".v."), (r"\.to_out\.0\.", ".o."),
+    (r"\.add_k_proj\.", ".k_img."), (r"\.add_v_proj\.", ".v_img."), (r"\.norm_added_k\.", ".norm_k_img."),
+    (r"^(blocks\.\d+)\.norm2\.", r"\1.norm3."),               # the cross-attention norm is norm3 in WanModel
+    (r"\.ffn\.net\.0\.proj\.", ".ffn.0."), (r"\.ffn\.net\.2\.", ".ffn.2."),
+    (r"^(blocks\.\d+)\.scale_shift_table$", r"\1.modulation"),
+    (r"^scale_shift_table$", "head.modulation"),
+    (r"^proj_out\.", "head.head."),
+)
+
+
+def original_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights in the original Wan-AI layout, checked against upstream's own converter."""
+    import re
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    orig = {}
+    for k, v in sd.items():
+        name = k
+        for pattern, repl in TO_ORIGINAL:
+            name = re.sub(pattern, repl, name)
+        orig[name] = v
+    back = convert_wan_transformer_to_diffusers(dict(orig))
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd), "not the inverse of upstream's"
+    return orig
+
+
 def _timesteps(spec_t, latents_shape: list[int], patch) -> torch.Tensor:
     if isinstance(spec_t, list):
         return torch.tensor(spec_t, dtype=torch.int64)          # what WanPipeline passes: t.expand(B), int64
@@ -137,7 +198,8 @@ def make_inputs(spec: dict) -> dict[str, torch.Tensor]:
             text[i, n:] = 0                                       # the pipeline's zero padding
         out[f"text_{k}"] = text
         if call.get("image_tokens"):
-            out[f"image_embeds_{k}"] = torch.randn(B, call["image_tokens"], cfg.dit.image_dim, generator=g)
+            out[f"image_embeds_{k}"] = call.get("image_std", 1.0) * torch.randn(B, call["image_tokens"],
+                                                                                 cfg.dit.image_dim, generator=g)
     return out
 
 
@@ -177,6 +239,14 @@ def _spec_of(case: Path, meta: dict) -> dict:
     return spec
 
 
+def load_bf16(upstream: Path):
+    """WanTransformer3DModel.from_pretrained(torch_dtype=bfloat16): its `_keep_in_fp32_modules` stay fp32."""
+    from diffusers import WanTransformer3DModel
+    model = WanTransformer3DModel.from_pretrained(upstream, torch_dtype=torch.bfloat16).eval()
+    assert model.scale_shift_table.dtype == torch.float32 and model.proj_out.weight.dtype == torch.bfloat16
+    return model
+
+
 def build_case(name: str, out_root: Path) -> Path:
     import diffusers
     import transformers
@@ -184,28 +254,37 @@ def build_case(name: str, out_root: Path) -> Path:
     _setup()
     model = build_model(spec)
     inputs = make_inputs(spec)
-    outputs = {k: v.contiguous() for k, v in run_probe(model, spec, inputs).items()}
-    for k, v in outputs.items():
-        if not torch.isfinite(v).all():
-            raise RuntimeError(f"{name}: non-finite {k}")
     case = out_root / "wan" / name
     if case.exists():
         shutil.rmtree(case)
     (case / "upstream").mkdir(parents=True)
-    model.save_pretrained(case / "upstream", safe_serialization=True)
+    fmt = spec.get("upstream_format")
+    if fmt == "original":   # the release layout: WanModel names, no config the converter reads (params.variant)
+        save_file(original_state_dict(model), str(case / "upstream" / "diffusion_pytorch_model.safetensors"))
+    else:
+        model.save_pretrained(case / "upstream", safe_serialization=True)
+    dtype = spec.get("dtype", "float32")
+    if dtype == "bfloat16":   # the stored fp32 weights loaded as diffusers loads a bf16 model; bf16 float inputs
+        model = load_bf16(case / "upstream")
+        inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+    outputs = {k: v.contiguous() for k, v in run_probe(model, spec, inputs).items()}
+    for k, v in outputs.items():
+        if not torch.isfinite(v).all():
+            raise RuntimeError(f"{name}: non-finite {k}")
     save_file(inputs, str(case / "inputs.safetensors"))
     save_file(outputs, str(case / "outputs.safetensors"))
     if spec["probe"] == "wan.dit":
         upstream = {"package": "diffusers", "version": diffusers.__version__, "class": "WanTransformer3DModel"}
         params = {"num_calls": len(spec["calls"]), "variant": spec["variant"]}
-        fmt = "diffusers"
+        fmt = fmt or "diffusers"
     else:
         upstream = {"package": "transformers", "version": transformers.__version__, "class": "UMT5EncoderModel"}
         params = {"max_sequence_length": spec["max_sequence_length"], "seq_lens": spec["prompt_lens"],
                   "variant": spec["variant"]}
         fmt = "transformers"
     meta = {"family": "wan", "probe": spec["probe"], "upstream": {**upstream, "torch": torch.__version__},
-            "upstream_format": fmt, "dtype": "float32", "seed": spec["seed"], "tolerance": {"rel_l2": REL_L2_TOL},
+            "upstream_format": fmt, "dtype": dtype, "seed": spec["seed"],
+            "tolerance": {"rel_l2": spec.get("tolerance", REL_L2_TOL)},
             "params": params, "description": spec["description"]}
     (case / "case.json").write_text(json.dumps(meta, indent=2) + "\n")
     for f in case.rglob("*"):
@@ -219,11 +298,20 @@ def build_case(name: str, out_root: Path) -> Path:
 def verify_case(case: Path) -> bool:
     _setup()
     meta = json.loads((case / "case.json").read_text())
-    if meta["probe"] == "wan.dit":
+    if meta["upstream_format"] == "original":   # back through upstream's converter into the variant's model
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+        model = build_model({"probe": "wan.dit", "variant": meta["params"]["variant"], "seed": meta["seed"]})
+        weights = case / "upstream" / "diffusion_pytorch_model.safetensors"
+        sd = convert_wan_transformer_to_diffusers(load_file(str(weights)))
+        model.load_state_dict(sd, strict=True)
+    elif meta["probe"] == "wan.dit" and meta["dtype"] == "bfloat16":
+        model = load_bf16(case / "upstream")
+    elif meta["probe"] == "wan.dit":
         from diffusers import WanTransformer3DModel as cls
+        model = cls.from_pretrained(case / "upstream").eval()
     else:
         from transformers import UMT5EncoderModel as cls
-    model = cls.from_pretrained(case / "upstream").eval()
+        model = cls.from_pretrained(case / "upstream").eval()
     for t in list(model.parameters()) + list(model.buffers()):
         t.data = t.data.clone()                       # fresh aligned storage, as when the case was made
     got = run_probe(model, _spec_of(case, meta), load_file(str(case / "inputs.safetensors")))

@@ -67,6 +67,16 @@ CASES: dict[str, dict[str, Any]] = {
                       width=64, steps=3, guidance=3.0, guidance_2=None, text_len=6, negative_len=8, image=True,
                       description="Wan2.2 TI2V: expand_timesteps (per-token timesteps, 0 on latent frame 0), "
                                   "image latents blended into frame 0, Wan2.2 VAE (patch 2), CFG 3.0, 3 steps"),
+    "pipe_g05": dict(variant="tiny-2.1-t2v", seed=9106, solver="unipc", flow_shift=3.0, num_frames=5, height=32,
+                     width=32, steps=3, guidance=0.5, guidance_2=None, text_len=7, negative_len=4,
+                     description="Wan2.1 T2V: guidance 0.5 < 1 with a negative prompt given: WanPipeline runs no "
+                                 "CFG (`guidance_scale > 1`), one DiT call per step, UniPC 3 steps"),
+    "pipe_a14b_boundary": dict(variant="tiny-2.2-t2v-a14b", seed=9107, solver="unipc", flow_shift=3.5,
+                               num_frames=5, height=32, width=32, steps=3, guidance=4.0, guidance_2=3.0, text_len=5,
+                               negative_len=3, boundary_step=1,
+                               description="Wan2.2 A14B-style: flow_shift 3.5 puts step 1's timestep exactly on the "
+                                           "boundary 875 (t 999, 875 | 637): upstream `t >= boundary` runs the "
+                                           "high-noise expert there; guidance 4.0 then guidance_2 3.0"),
 }
 
 
@@ -283,6 +293,9 @@ def outputs_of(case: dict[str, Any], cfg: WanModelConfig, comps, inp) -> dict[st
     else:
         assert torch.equal(first, noise), "the pipeline's noise is not randn(seed) as recorded"
     sched = r["scheduler"]
+    if "boundary_step" in case:  # the case's own claim: a step lands exactly on the boundary and expert 1 runs it
+        k, boundary = case["boundary_step"], cfg.boundary_ratio * cfg.num_train_timesteps
+        assert sched.timesteps[k].item() == boundary and cond_calls[k]["expert"] == 1, (sched.timesteps, boundary)
     out = {"latents": r["out"].contiguous(), "trajectory": torch.stack(r["trajectory"]).contiguous(),
            "timesteps": sched.timesteps.clone(), "sigmas": sched.sigmas.clone(), "initial_latents": noise,
            "experts": torch.tensor([c["expert"] for c in cond_calls], dtype=torch.int64),

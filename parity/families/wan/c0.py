@@ -1,7 +1,8 @@
 """wan C0: every component of a whole model, reference vs optimized.
 
 Per whole-model variant (or converted checkpoint), per dtype:
-    dit/..., dit_2/...    the DiT expert(s): full forward, batched, each block alone, traces (dit.py)
+    dit/..., dit_2/...    the DiT expert(s): full forward on the anchor and rule-generated cases of the `--cases`
+                          matrix (cases.py), batched, each block alone, traces (dit.py)
     umt5/...              the text encoder and WanPipeline's prompt handling (umt5.py)
     scheduler/...         UniPC (flow) and FlowMatch Euler: reference solver vs optimized functional state on the
                           same synthetic velocities (schedules exact, every step's sample)
@@ -23,7 +24,7 @@ from manifests.parity import Tolerance
 from manifests.solvers import FlowMatchEulerConfig, UniPCConfig
 from manifests.wan import WanModelConfig, list_variants, load_variant
 from parity.errors import SetupError
-from parity.families.wan import dit, faults, umt5, vae
+from parity.families.wan import cases as case_lib, dit, faults, umt5, vae
 from parity.families.wan.common import (DEFAULT_VARIANTS, ModelUnderTest, contract_tolerance, load_optimized_dit,
                                         load_optimized_umt5, load_reference_dit, load_reference_umt5, make_request,
                                         optimized_step_input, reference_pipeline, resolve_models)
@@ -42,12 +43,15 @@ SCHEDULER_STEPS = 5
 
 
 def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
-           fault: str | None, progress: Callable[[str], None]) -> Report:
+           fault: str | None, progress: Callable[[str], None], cases: str = "ci") -> Report:
+    """`cases`: the DiT case matrix ("ci": every rule once, "full": every draw; cases.py)."""
     faults.check_fault(fault, "C0", faults.C0_FAULTS)
+    if cases not in case_lib.MATRICES:
+        raise SetupError(f"unknown case matrix {cases!r}; known: {', '.join(case_lib.MATRICES)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SetupError("--device cuda requested but CUDA is not available")
     report = Report("wan", "C0", {"variants": variants or list(DEFAULT_VARIANTS), "device": device, "dtypes": dtypes,
-                                  "seed": seed, "checkpoint": checkpoint, "fault": fault})
+                                  "seed": seed, "checkpoint": checkpoint, "fault": fault, "cases": cases})
     models = resolve_models(variants, checkpoint, seed)
     vae_done: list = []   # VAE configs already checked in this run (several tiny models share one VAE)
     for m in models:
@@ -57,7 +61,7 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
             prefix = f"{m.name}/{dname}"
             if m.kind in ("model", "transformer"):
                 report.checks += dit_rows(prefix, m, tol("dit"), dtype, device, seed, fault, dname == "fp32",
-                                          progress)
+                                          progress, cases)
             if m.kind in ("model", "text_encoder"):
                 report.checks += umt5_rows(prefix, m, tol("umt5"), dtype, device, seed, fault, progress)
             if m.is_model:
@@ -86,7 +90,8 @@ def _planted_in(fault: str) -> str:
 # Components
 # ------------------------------------------------------------------------------------------------
 
-def dit_rows(prefix, m: ModelUnderTest, tol, dtype, device, seed, fault, traces, progress) -> list[CheckResult]:
+def dit_rows(prefix, m: ModelUnderTest, tol, dtype, device, seed, fault, traces, progress, matrix: str = "ci"
+             ) -> list[CheckResult]:
     if m.is_model:
         experts = [("dit", "transformer", m.cfg.dit)] + ([("dit_2", "transformer_2", m.cfg.dit_2)]
                                                          if m.cfg.two_experts else [])
@@ -100,7 +105,7 @@ def dit_rows(prefix, m: ModelUnderTest, tol, dtype, device, seed, fault, traces,
         fast = load_optimized_dit(cfg, m.weights[component], device, dtype, component)
         with faults.planted_dit(fault if label == "dit" else None, fast):
             checks += dit.dit_checks(f"{prefix}/{label}", cfg, reference, fast, tol, dtype, device, seed, max_len,
-                                     traces, progress)
+                                     traces, progress, matrix)
     return checks
 
 

@@ -1,10 +1,13 @@
 """wan C1: whole denoising loops, `WanReferencePipeline.generate(keep_trajectory=True)` vs the engine (the wan
 FamilyEntry's `denoise` loop under the WorkUnitScheduler, `record_trajectory=True`), compared after every step.
 
-Cases per whole-model variant (4 steps each): the task's own request (t2v UniPC + CFG; i2v with its image (and CLIP
-embeddings); ti2v with an image; two experts with guidance_scale_2), FlowMatch Euler without CFG, three concurrent
-requests (different seeds, guidance scales, prompt lengths and start ticks, the unguided one in the middle) each
-against its own solo reference run, the two-forward CFG policy, and for ti2v the text-only request. Rows per
+Cases per whole-model variant (4 steps each; cases.py): the anchors (the task's own request: t2v UniPC + CFG; i2v
+with its image and CLIP embeddings; ti2v with an image; two experts with guidance_scale_2; FlowMatch Euler without
+CFG; three concurrent requests at different start ticks, the unguided one in the middle, each against its own solo
+reference run; the two-forward CFG policy; for ti2v the text-only request), then the rule-generated cases of the
+`--cases` matrix (guidance < 1; an unguided request at a drawn (ci) or every (full) position of a same-tick batch
+mixing Euler and UniPC rows; a one-token prompt edit through the warm text cache; two experts with a step exactly on
+the boundary, whose reference timestep and expert are checked as a row of their own). Rows per
 request: the schedule and the timesteps actually fed to the DiT (exact, dtype included), the expert of every step
 (exact), the noise draw (bitwise), every step's latents, and the final latents with the trajectory drift. The first
 divergent step is localised: both sides rebuild that step's DiT input from their own previous latents; differing
@@ -26,9 +29,10 @@ from manifests import ManifestError
 from manifests.parity import Tolerance
 from manifests.wan import WanGenerateRequest, WanModelConfig
 from parity.errors import SetupError
-from parity.families.wan import faults, umt5
+from parity.families.wan import cases as case_lib, faults, umt5
+from parity.families.wan.cases import STEPS, LoopCase
 from parity.families.wan.common import (DEFAULT_VARIANTS, DiTInputs, contract_tolerance,
-                                        convert_upstream, engine_decode, engine_for, fmt_drift, make_request,
+                                        convert_upstream, engine_decode, engine_for, fmt_drift,
                                         optimized_step_input, reference_pipeline, resolve_models,
                                         run_optimized_dit, run_reference_dit)
 from parity.family import DTYPES, golden_probe
@@ -40,32 +44,10 @@ import optimized
 from optimized.models.wan.denoise import WanDenoiseJob
 import reference.wan as ref
 
-STEPS = 4
-
-
-@dataclass(frozen=True)
-class LoopCase:
-    name: str
-    requests: tuple[WanGenerateRequest, ...]
-    start_ticks: tuple[int, ...] = (0,)      # scheduler ticks before each request is submitted
-    cfg_policy: str = "batched"
-
 
 def loop_cases(cfg: WanModelConfig) -> list[LoopCase]:
-    own = {"t2v": "t2v_unipc_cfg", "i2v": "i2v", "ti2v": "ti2v_image"}[cfg.task]
-    extra = {"guidance_scale_2": 2.5} if cfg.two_experts else {}
-    cases = [
-        LoopCase("two_experts" if cfg.two_experts else own, (make_request(cfg, 1, **extra),)),
-        LoopCase("euler_no_cfg", (make_request(cfg, 2, guidance=1.0, solver="euler", flow_shift=5.0),)),
-        # req0 and req2 share everything but seed / guidance / prompt (a shared state would mix them); req1 runs no
-        # CFG and sits between them, so uncond predictions must be matched to their request, not by position
-        LoopCase("concurrent3", (make_request(cfg, 3, guidance=3.0), make_request(cfg, 4, guidance=1.0, text_len=5),
-                                 make_request(cfg, 5, guidance=7.5, text_len=9)), start_ticks=(0, 1, 2)),
-        LoopCase("two_forward_cfg", (make_request(cfg, 6),), cfg_policy="two-forward"),
-    ]
-    if cfg.task == "ti2v":
-        cases.append(LoopCase("ti2v_text_only", (make_request(cfg, 7, image=False),)))
-    return cases
+    """The anchor loops only (cases.anchor_cases); run_c1 runs them plus the rule-generated cases."""
+    return case_lib.anchor_cases(cfg)
 
 
 @dataclass
@@ -140,6 +122,8 @@ def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
     runs = []
     for h in handles:
         batches = [len(e.data["batch"]) for e in h.events if e.kind == "trace.step"]
+        graphs = [(e.data.get("graph"), e.data.get("bucket"), e.data.get("graph_cache"))
+                  for e in h.events if e.kind == "trace.step" and e.data.get("loop") == "wan.denoise"]
         if h.status == "completed":
             r = h.result()
             run = SideRun(r["trajectory"], r["initial"], r["timesteps"], r["experts"], r["latents"]["vision"])
@@ -148,6 +132,7 @@ def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
             run = SideRun(list(getattr(st, "trajectory", [])), getattr(st, "initial", None), [], [], None,
                           extra={"error": f"engine request {h.status}: {h.record.error}"})
         run.extra["batch_sizes"] = batches
+        run.extra["graphs"] = graphs
         runs.append(run)
     if len(handles) == 1:
         two_forward = engine.options.cfg_policy == "two-forward"
@@ -266,12 +251,30 @@ def localise_step(pipe: ref.WanReferencePipeline, engine, req: WanGenerateReques
 # C1 runner
 # ------------------------------------------------------------------------------------------------
 
+def boundary_check(prefix: str, cfg: WanModelConfig, ref_run: SideRun, step: int) -> CheckResult:
+    """The case's own claim: the reference's timestep of `step` equals the expert boundary exactly, and (upstream
+    `t >= boundary`) the high-noise expert 1 runs it. The engine's experts are compared in `experts`."""
+    boundary = cfg.boundary_ratio * cfg.num_train_timesteps
+    t = ref_run.timesteps[step] if step < len(ref_run.timesteps) else None
+    expert = ref_run.experts[step] if step < len(ref_run.experts) else None
+    ok = t is not None and t == boundary and expert == 1
+    return CheckResult(f"{prefix}/boundary_step", ok,
+                       detail=f"step {step}: t = {t}, boundary {boundary}, reference expert {expert} (must be 1)",
+                       divergence=None if ok else f"step {step}: not on the boundary or not expert 1")
+
+
 def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
-           fault: str | None, progress: Callable[[str], None], plan: str | None = None) -> Report:
-    """`plan` (e.g. "ulysses2", "cfgp2,ulysses2"): every rank of the plan on gloo vs the reference (parallel.py)."""
+           fault: str | None, progress: Callable[[str], None], plan: str | None = None,
+           cases: str = "ci", graph: str = "eager") -> Report:
+    """`plan` (e.g. "ulysses2", "cfgp2,ulysses2"): every rank of the plan on gloo vs the reference (parallel.py).
+    `cases`: the case matrix ("ci": every rule once, "full": every draw and batch position; cases.py)."""
     faults.check_fault(fault, "C1", faults.C1_FAULTS)
+    if graph != "eager" and plan:  # `graph`: how the engine's DiT block stack runs (eager, compile, cuda)
+        raise SetupError(f"--graph {graph} with --plan {plan}: the sequence-parallel block stack runs eagerly")
+    if cases not in case_lib.MATRICES:
+        raise SetupError(f"unknown case matrix {cases!r}; known: {', '.join(case_lib.MATRICES)}")
     models = resolve_models(variants, checkpoint, seed, kinds=("model",))
-    if plan or fault in faults.SP_FAULTS:
+    if plan or fault in faults.PARALLEL_FAULTS:
         from parity.families.wan import parallel
         parsed = parallel.parse_plan(plan or "", models, device, fault)
         if parsed.world_size > 1:
@@ -283,17 +286,19 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
         raise SetupError("fault expert-switch-late needs a two-expert variant (e.g. tiny-2.2-t2v-a14b)")
     report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                   "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
-                                  "steps": STEPS, "reference": "fp32 CPU (the reference pipeline's only precision)"})
+                                  "steps": STEPS, "cases": cases, "graph": graph,
+                                  "reference": "fp32 CPU (the reference pipeline's only precision)"})
     for m in models:
         pipe = reference_pipeline(m)
         for dname in dtypes:
             dtype = DTYPES[dname]
             tol = contract_tolerance("C1", "loop", dname, device)
             step_tol = contract_tolerance("C0", "dit", dname, device)
-            for case in loop_cases(m.cfg):
+            for case in case_lib.c1_cases(m.cfg, cases, seed):
                 prefix = f"{m.name}/{dname}/{case.name}"
                 progress(f"[wan C1] {prefix}: {len(case.requests)} request(s), {case.cfg_policy} CFG")
                 engine = engine_for(m, device, dtype, seed, case.cfg_policy)
+                engine.model.configure_graph(graph, cfg_policy=case.cfg_policy)
                 with faults.planted_engine(fault, engine):
                     eng_runs = run_engine_case(engine, case)
                     for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
@@ -303,7 +308,15 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                         report.checks += trajectory_checks(
                             p, ref_run, eng_run, tol, lambda step, req=req, r=ref_run, e=eng_run, eng=engine:
                             localise_step(pipe, eng, req, r, e, step, step_tol))
-                        if len(case.requests) > 1:
+                        if case.boundary_step is not None:
+                            report.checks.append(boundary_check(p, m.cfg, ref_run, case.boundary_step))
+                        if graph != "eager":  # the block stack really ran the asked graph, step by step
+                            want = {"compile": "compiled", "cuda": "replayed"}[graph]
+                            kinds = eng_run.extra.get("graphs", [])
+                            report.checks.append(CheckResult(
+                                f"{p}/graph_{graph}", bool(kinds) and all(k[0] == want for k in kinds),
+                                detail="; ".join(f"{k}@{b} {c}" for k, b, c in kinds)))
+                        if len(case.requests) > 1 and case.batched:
                             sizes = eng_run.extra["batch_sizes"]
                             report.checks.append(CheckResult(f"{p}/batched_with_others", max(sizes, default=0) > 1,
                                                              detail=f"batch size per step {sizes}"))

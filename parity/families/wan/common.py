@@ -289,12 +289,15 @@ def localise_dit(reference_model, fast, x: DiTInputs, tol: Tolerance) -> str:
 
 def convert_upstream(case, src) -> tuple[Any, dict[str, torch.Tensor]]:
     """A golden case's upstream component folder through fvconvert's in-memory path (the `--from` alias of the
-    case's upstream_format, detected from the folder's config): (config, canonical state dict)."""
+    case's upstream_format, detected from the folder's config): (config, canonical state dict). The original Wan-AI
+    layout carries no config the converter reads: its architecture is `params.variant` (as `--variant`)."""
     from converters import ConversionError, convert_to_state_dict
     from converters.pipeline import detect_format
 
+    fmt = case.meta["upstream_format"]
+    variant = case.meta.get("params", {}).get("variant") if fmt == "original" else None
     try:
-        return convert_to_state_dict("wan", detect_format("wan", case.meta["upstream_format"], src), src)
+        return convert_to_state_dict("wan", detect_format("wan", fmt, src), src, variant=variant)
     except ConversionError as e:
         raise UpstreamConversionFailed(f"golden case {case.path}: {src.name}/: {e}") from None
     except ManifestError as e:

@@ -2,8 +2,10 @@
 tables, one batched call), and the upstream golden probe `wan.dit`.
 
 Rows per DiT (each expert of a two-expert model), per dtype:
-    forward/<case>        full forward on the cases below (int / float / per-token timesteps, odd grid; with the
-                          image branch every case carries CLIP embeddings and 512 text rows). On failure the first
+    forward/<case>        full forward on the anchor cases (int / float / per-token timesteps, odd grid) and the
+                          rule-generated ones of the `--cases` matrix (cases.py: timestep kinds, odd grids, one-token
+                          and full-length prompts, CLIP embeddings of tiny variance); with the image branch every
+                          case carries CLIP embeddings and 512 text rows. On failure the first
                           divergent traced layer is named (patch_embedding, condition_embedder[.temb/.text/.image],
                           blocks.i, proj_out), both sides traced on the same inputs.
     batched/<a|b>         two requests (different timesteps, prompts, latents) in ONE optimized call vs each alone
@@ -12,39 +14,25 @@ Rows per DiT (each expert of a two-expert model), per dtype:
                           and each side's own rope tables: a block's own error, not the accumulated one
     trace/<name>          (fp32) every traced tensor of the first case, in forward order
 Text rows after each prompt's length are zeros (as the pipeline pads); they still pass through the text projection,
-so no compared output is zero by construction.
+so no compared output is zero by construction. The golden probe runs each case in its dtype (float32 or bfloat16).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from manifests.parity import Tolerance
 from manifests.wan import WanDiTConfig
 from parity.errors import SetupError
-from parity.families.wan.common import DiTInputs, convert_upstream, localise_dit, run_optimized_dit, run_reference_dit
+from parity.families.wan.cases import DIT_ANCHORS, DiTCase, dit_cases
+from parity.families.wan.common import (DIT_KEEP_FP32, DiTInputs, cast_state, convert_upstream, localise_dit,
+                                        run_optimized_dit, run_reference_dit)
 from parity.family import golden_probe
 from parity.metrics import compare, within
 from parity.report import CheckResult, tensor_check as check
 
 
-@dataclass(frozen=True)
-class DiTCase:
-    name: str
-    grid: tuple[int, int, int]        # latent T, H, W
-    timestep: str                     # "int" | "float" | "per_token"
-    text_len: int                     # real prompt tokens (the rest of the rows are zeros)
-    t: float = 937
-
-
-CASES = (
-    DiTCase("int_timestep", (3, 4, 6), "int", 9, 937),
-    DiTCase("float_timestep", (2, 4, 4), "float", 5, 909.707),
-    DiTCase("per_token_timestep", (3, 4, 4), "per_token", 11, 500),  # 0 on latent frame 0, as ti2v with an image
-    DiTCase("odd_grid", (1, 6, 2), "int", 16, 1),
-)
+CASES = DIT_ANCHORS   # the hand-written cases (cases.py adds the rule-generated ones)
 
 
 def text_length(cfg: WanDiTConfig, max_sequence_length: int | None) -> int:
@@ -69,14 +57,17 @@ def make_inputs(cfg: WanDiTConfig, case: DiTCase, L: int, seed: int) -> DiTInput
         t = torch.full((f, h, w), float(case.t))
         t[0] = 0.0
         t = t.flatten()[None]
-    image = torch.randn(1, 3, cfg.image_dim, generator=g) if cfg.has_image_branch else None
+    image = case.image_std * torch.randn(1, 3, cfg.image_dim, generator=g) if cfg.has_image_branch else None
     return DiTInputs(latents, t, text, image)
 
 
 def dit_checks(prefix: str, cfg: WanDiTConfig, reference, fast, tol: Tolerance, dtype: torch.dtype, device: str,
-               seed: int, max_sequence_length: int | None, traces: bool, progress) -> list[CheckResult]:
+               seed: int, max_sequence_length: int | None, traces: bool, progress, matrix: str = "ci"
+               ) -> list[CheckResult]:
     L = text_length(cfg, max_sequence_length)
-    cases = [(c, make_inputs(cfg, c, L, seed + 10 + i).to(device, dtype)) for i, c in enumerate(CASES)]
+    text_rows = max_sequence_length or L   # rows a prompt may fill (512 with the image branch: only the first L_max)
+    cases = [(c, make_inputs(cfg, c, L, seed + 10 + i).to(device, dtype))
+             for i, c in enumerate(dit_cases(cfg, text_rows, matrix, seed))]
     checks: list[CheckResult] = []
 
     progress(f"[wan C0] {prefix}: full forward, {len(cases)} cases")
@@ -86,7 +77,9 @@ def dit_checks(prefix: str, cfg: WanDiTConfig, reference, fast, tol: Tolerance, 
         c = check(f"{prefix}/forward/{case.name}", got, want, tol,
                   detail=f"latents {list(x.latents.shape[1:])}, {case.timestep} timestep, text {L} rows "
                          f"({case.text_len} real)" + (", per-token t = 0 on frame 0" if case.timestep == "per_token"
-                                                       else ""))
+                                                       else "") + (f", CLIP embeddings std {case.image_std:.1e}"
+                                                                   if case.image_std != 1.0 and cfg.has_image_branch
+                                                                   else ""))
         if not c.passed:
             c.divergence = localise_dit(reference, fast, x, tol)
         checks.append(c)
@@ -148,10 +141,14 @@ def block_checks(prefix: str, cfg: WanDiTConfig, reference, fast, x: DiTInputs, 
 # Upstream golden probe `wan.dit` (diffusers WanTransformer3DModel; golden/README.md)
 # ------------------------------------------------------------------------------------------------
 
+GOLDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @golden_probe(optional=("pred_*",))
 def golden_dit_probe(case, sides) -> list[CheckResult]:
-    """Each stored call k: inputs latents_k, timestep_k, text_k (+ image_embeds_k) -> pred_k, on each side. A
-    documented output missing from the case fails the case."""
+    """Each stored call k: inputs latents_k, timestep_k, text_k (+ image_embeds_k) -> pred_k, on each side, in the
+    case's dtype (float32, or bfloat16 with the upstream `_keep_in_fp32_modules` kept fp32). A documented output
+    missing from the case fails the case."""
     from optimized.models.wan.transformer import WanDiTFast
     from reference.wan import load_wan_transformer
 
@@ -162,7 +159,12 @@ def golden_dit_probe(case, sides) -> list[CheckResult]:
     if not isinstance(n, int) or n < 1:
         raise SetupError(f"golden case {case.path}: params.num_calls must be a positive int")
     tol, results = case.tolerance, []
-    models = {"reference": lambda: load_wan_transformer(cfg, state), "optimized": lambda: WanDiTFast(cfg, state)}
+    dtype = GOLDEN_DTYPES.get(case.meta.get("dtype", "float32"))
+    if dtype is None:
+        raise SetupError(f"golden case {case.path}: dtype must be one of {', '.join(GOLDEN_DTYPES)}")
+    run_state = cast_state(state, dtype, DIT_KEEP_FP32)   # as upstream loads a half-precision model
+    models = {"reference": lambda: load_wan_transformer(cfg, run_state),
+              "optimized": lambda: WanDiTFast(cfg, run_state, "cpu", dtype)}
     for side in sides:
         model = models[side]()
         for k in range(n):
@@ -175,11 +177,12 @@ def golden_dit_probe(case, sides) -> list[CheckResult]:
                 results.append(CheckResult(name, False, detail=f"case lacks {', '.join(missing)}"))
                 continue
             x = DiTInputs(case.inputs[f"latents_{k}"], case.inputs[f"timestep_{k}"], case.inputs[f"text_{k}"],
-                          case.inputs.get(f"image_embeds_{k}"))
+                          case.inputs.get(f"image_embeds_{k}")).to("cpu", dtype)
             got = run_reference_dit(model, x) if side == "reference" else run_optimized_dit(model, x)
-            m = compare(got, case.outputs[f"pred_{k}"])
+            m = compare(got.float(), case.outputs[f"pred_{k}"].float())
             results.append(CheckResult(name, within(m, tol), m, tol,
-                                       detail=f"latents {list(x.latents.shape)}, timestep {list(x.timestep.shape)}"))
+                                       detail=f"latents {list(x.latents.shape)}, timestep {list(x.timestep.shape)}"
+                                              + ("" if dtype == torch.float32 else f", {case.meta['dtype']}")))
     return results
 
 
