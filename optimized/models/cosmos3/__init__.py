@@ -14,7 +14,8 @@ from optimized.models.cosmos3 import ops, packing
 from optimized.models.cosmos3.model import Cosmos3Fast, Cosmos3FastStats, UndKV, load_fast, run_layer
 from optimized.models.cosmos3.packing import PackedLayout, pack_layout, timestep_embedding_rows
 from optimized.models.cosmos3.spec import TRANSFORMER, cosmos3_model_spec, transformer_component
-from optimized.parallel.plan import AttentionShape, ModelShapes, ParallelismContract
+from optimized.models.cosmos3.parallelize import Cosmos3Parallelism
+from optimized.parallel.plan import AttentionShape, ModelShapes
 from optimized.runtime.family import Capabilities, FamilyEntry, LoopOptions, RequestExtent, seeded_random_state
 
 
@@ -70,13 +71,16 @@ def _extent(request) -> RequestExtent | None:
     return None
 
 
-PARALLELISM = ParallelismContract(
-    family="cosmos3", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"), implemented=("cfgp",),
+PARALLELISM = Cosmos3Parallelism(   # attaches the gen-stream SP (parallelize.py) under ulysses x ring > 1
+    family="cosmos3", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"),
+    implemented=("cfgp", "sp_ulysses", "sp_ring"),
     shapes=lambda cfg: ModelShapes(
         tuple(AttentionShape(p, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) for p in ("und", "gen")),
         (cfg.intermediate_size,), cfg.hidden_size),
     kv_rule="replicate", seq_rule="pad",
     notes=("the und (text) and gen pathways share one head layout: both are split by the same ulysses x tp",
+           "gen tokens are sharded by sequence (padded to a multiple of ulysses x ring, padded keys masked); the und "
+           "(text) stream runs whole on every rank and its K/V are kept sharded by heads",
            "und K/V cache entries are per plan (sharded by KV head under ulysses / tp): the plan hash is in their key"),
     cache_keys=lambda fast: ((fast, "und_cache_key"),))
 

@@ -132,8 +132,8 @@ class Cosmos3Fast:
         self.cfg_policy_name, self.variant_name = "any", f"cfg-{self._cfg_hash}"
         self.graph_cache = CompileCache()
         self.row_block = 1024 if self.device.type == "cpu" else 0  # row-local work in cache-resident row blocks
-        self.mask_pad = True        # False only as a negative control (a bucket padded without masking the pad)
         self.last_step_info: dict[str, str] = {}
+        self.sequence_parallel = None   # a GenSequenceParallel (parallelize.py) under ulysses x ring > 1
         self._geometries: OrderedDict[tuple, packing.BatchGeometry] = OrderedDict()
         self._text_kv_memo: OrderedDict[tuple, tuple] = OrderedDict()
 
@@ -255,7 +255,7 @@ class Cosmos3Fast:
                 continue
             hit = self.und_cache.get(key) if use_cache else None
             if hit is not None:
-                resolved[key] = hit
+                resolved[key] = hit if self.sequence_parallel is None else self.sequence_parallel.shard_und(hit)
                 self.stats.und_cache_hits += 1
             else:
                 todo[key] = [s]
@@ -264,6 +264,8 @@ class Cosmos3Fast:
         status = ["hit"] * len(inputs)
         if todo:
             kvs, und_traces = self._und_stack([inputs[ss[0]].text_ids for ss in todo.values()], axis, want_trace)
+            if self.sequence_parallel is not None:  # kept (and cached) sharded by heads like the gen K/V
+                kvs = [self.sequence_parallel.shard_und(kv) for kv in kvs]
             for j, (key, samples) in enumerate(todo.items()):
                 resolved[key] = kvs[j]
                 if use_cache:
@@ -298,13 +300,13 @@ class Cosmos3Fast:
     def _geometry(self, inputs: Sequence[Cosmos3ForwardInputs], axis: torch.Tensor) -> packing.BatchGeometry:
         """The batch's padded layout, built once per (sample signatures, buckets) and cached. The functions that
         build it are part of the key: a planted fault (a monkeypatched builder) never reuses a clean geometry."""
-        key = (tuple(packing.sample_signature(x) for x in inputs), self.buckets, self.mask_pad,
+        key = (tuple(packing.sample_signature(x) for x in inputs), self.buckets, packing.real_key_lengths,
                ops.mrope_axis_of_column, ops.rope_cos_sin, packing.timestep_embedding_rows, packing.pack_layout)
         geo = self._geometries.get(key)
         if geo is None:
             layouts = [packing.pack_layout(self.cfg, x) for x in inputs]
             geo = packing.build_geometry(layouts, self.buckets, lambda pos: self._rope_tables(pos, axis),
-                                         self.device, self.dtype, mask_pad=self.mask_pad)
+                                         self.device, self.dtype)
             self._geometries[key] = geo
             while len(self._geometries) > GEOMETRY_CACHE_ENTRIES:
                 self._geometries.popitem(last=False)
@@ -361,9 +363,11 @@ class Cosmos3Fast:
         return G
 
     def _gen_layer(self, x: torch.Tensor, w: PathWeights, tk: torch.Tensor, tv: torch.Tensor,
-                   key_mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   key_mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                   attention: Callable | None = None) -> torch.Tensor:
         """One gen layer over the padded gen stream x [B*N, D]; sample b attends, non-causally, to its text keys
-        tk/tv[b] [T, K, d] and its own gen tokens (pad keys masked by `key_mask`). One attention call per layer."""
+        tk/tv[b] [T, K, d] and its own gen tokens (pad keys masked by `key_mask`). One attention call per layer.
+        `attention(q, k, v, tk, tv)` on [B, N, heads, d] replaces it under sequence parallelism (parallelize.py)."""
         cfg = self.cfg
         H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         B = tk.shape[0]
@@ -373,10 +377,13 @@ class Cosmos3Fast:
             q, k, v = (torch.cat(t) for t in zip(*(self._gen_qkv(x[a:b], w, cos[a:b], sin[a:b]) for a, b in blocks)))
         else:
             q, k, v = self._gen_qkv(x, w, cos, sin)
-        keys = torch.cat([tk, k.view(B, N, K, d)], 1).transpose(1, 2)
-        values = torch.cat([tv, v.view(B, N, K, d)], 1).transpose(1, 2)
-        o = attend(q.view(B, N, H, d).transpose(1, 2), keys, values, key_mask=key_mask, backend=self.attention)
-        o = o.transpose(1, 2).reshape(B * N, H * d)
+        if attention is not None:  # this rank's rows against every rank's keys (parallelize.py)
+            o = attention(q.view(B, N, H, d), k.view(B, N, K, d), v.view(B, N, K, d), tk, tv).reshape(B * N, H * d)
+        else:
+            keys = torch.cat([tk, k.view(B, N, K, d)], 1).transpose(1, 2)
+            values = torch.cat([tv, v.view(B, N, K, d)], 1).transpose(1, 2)
+            o = attend(q.view(B, N, H, d).transpose(1, 2), keys, values, key_mask=key_mask, backend=self.attention)
+            o = o.transpose(1, 2).reshape(B * N, H * d)
         if blocks:
             return torch.cat([self._gen_out(x[a:b], o[a:b], w) for a, b in blocks])
         return self._gen_out(x, o, w)
@@ -456,23 +463,33 @@ class Cosmos3Fast:
         text_k, text_v = self._text_kv(und, geo.text_pad)
         spans = [geo.rows(s) for s in range(geo.batch)]
 
-        if trace is None:
+        if trace is None and self.sequence_parallel is None:
             args = (G, text_k, text_v, geo.key_mask, geo.cos, geo.sin)
             runner, info = self.graph_cache.step(self.graph_key(geo), self.gen_body, args)
             (G,) = runner(*args)
             self.last_step_info = info.as_dict()
         else:
-            emb = self.params["embed_tokens.weight"]
-            for s, (x, (a, b)) in enumerate(zip(inputs, spans)):
-                trace(s, "embed", torch.cat([F.embedding(x.text_ids.to(self.device), emb), G[a:b]]))
-            for li, layer in enumerate(self.layers):
-                G = self._gen_layer(G, layer["gen"], text_k[li], text_v[li], geo.key_mask, geo.cos, geo.sin)
-                for s, (a, b) in enumerate(spans):
-                    if und_traces[s] is not None:
-                        trace(s, f"layers.{li}.und", und_traces[s][li])
-                    trace(s, f"layers.{li}.gen", G[a:b])
-            G = self._norm(G, self.params["gen_norm.weight"])
-            self.last_step_info = {"graph": "eager", "bucket": geo.bucket, "graph_cache": "traced"}
+            per_layer = None
+            if trace is not None:
+                emb = self.params["embed_tokens.weight"]
+                for s, (x, (a, b)) in enumerate(zip(inputs, spans)):
+                    trace(s, "embed", torch.cat([F.embedding(x.text_ids.to(self.device), emb), G[a:b]]))
+
+                def trace_layer(li: int, G: torch.Tensor) -> None:
+                    for s, (a, b) in enumerate(spans):
+                        if und_traces[s] is not None:
+                            trace(s, f"layers.{li}.und", und_traces[s][li])
+                        trace(s, f"layers.{li}.gen", G[a:b])
+                per_layer = trace_layer
+            if self.sequence_parallel is not None:  # this rank's gen rows (eager); the whole normed stream back
+                G = self.sequence_parallel.gen_stream(self, G, text_k, text_v, geo, per_layer)
+            else:
+                for li, layer in enumerate(self.layers):
+                    G = self._gen_layer(G, layer["gen"], text_k[li], text_v[li], geo.key_mask, geo.cos, geo.sin)
+                    per_layer(li, G)
+                G = self._norm(G, self.params["gen_norm.weight"])
+            self.last_step_info = {"graph": "eager", "bucket": geo.bucket,
+                                   "graph_cache": "traced" if trace is not None else "sequence-parallel"}
         preds = self._decode(G, inputs, geo)
         for pr, st in zip(preds, und_status):
             pr.extras["und_cache"] = st

@@ -3,7 +3,8 @@ place. A harness that passes with a fault planted, or fails without naming the l
 
 One mechanism: a context manager that patches a module (or class) attribute at a declared seam and restores it on
 exit; production code carries no fault flags. Seams: the optimized side's module-level functions (ops, packing,
-loops, solvers, reasoner), the reference side's (reference.cosmos3.packing.grid_position_ids,
+loops, solvers, reasoner, the captured step's optimized.runtime.compile.copy_in), the reference side's
+(reference.cosmos3.packing.grid_position_ids,
 reference.cosmos3.sampler.initial_latents, reference.cosmos3.model.Cosmos3Transformer.timestep_embedding) and the
 shared manifests (manifests.cosmos3.sampling.Cosmos3GenerateRequest.uses_cfg). C0 faults are planted around a
 loaded pair of models, C1 faults around an Engine and the reference loops, C4 faults in the C4 engine side
@@ -219,7 +220,28 @@ def _batched_timestep_first(engine):
                     original(t[:1].expand(t.shape[0]).contiguous(), *a, **kw))
 
 
+@contextlib.contextmanager
+def _stale_static_buffer(engine) -> Iterator[None]:
+    """The captured gen step body replays on the previous call's inputs (no copy-in; emulated graph on CPU)."""
+    from parity.graph_faults import stale_static_buffer
+    if engine is None:  # the AR checks build engines of their own: their decode step is not captured
+        yield
+        return
+    with stale_static_buffer([engine.model]):
+        yield
+
+
+def _pad_not_masked(engine):
+    """The gen stream's shape bucket pads text and gen keys without masking them (every key of the bucket is
+    attended to as if real)."""
+    from optimized.models.cosmos3 import packing
+    return _patched(packing, "real_key_lengths", lambda original: lambda layouts, text_pad, gen_pad:
+                    [(text_pad, gen_pad)] * len(layouts))
+
+
 COSMOS3_C1_FAULTS = {
+    "stale-static-buffer": _stale_static_buffer,
+    "pad-not-masked": _pad_not_masked,
     "ref-noise-order": _ref_noise_order,
     "manifest-uses-cfg-gt1": _manifest_uses_cfg_gt1,
     "batched-timestep-first": _batched_timestep_first,
@@ -229,6 +251,29 @@ COSMOS3_C1_FAULTS = {
     "stale-und-cache": _stale_und_cache,
     "shared-solver-state": _shared_solver_state,
 }
+
+
+# ------------------------------------------------------------------------------------------------
+# Parallel faults: planted by every rank of a C1 run under --plan (parallel.py) at the runtime's declared seams
+# (parity/parallel_faults.py: optimized.parallel.sp.split_head_groups, CFGParallel.branch_rows), so kept apart
+# from the one-process FAULTS
+# ------------------------------------------------------------------------------------------------
+
+PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp"}   # fault -> axis
+PARALLEL_FAULT_DECLS = (
+    Fault("ulysses-heads-permuted", "Ulysses SP: the forward all-to-all sends each head group to the wrong rank "
+          "(C1 with --plan ulysses2)", "C1", "step 0, cond branch, layer layers.0.gen"),
+    Fault("cfg-branches-swapped", "CFG-parallel: each rank runs the other branch and reports it as its own (C1 "
+          "with --plan cfgp2)", "C1", "step 0, no layer (rank 0): the model agrees on the reference's inputs"),
+)
+
+
+def planted_parallel(fault: str | None):
+    """A parallel fault, entered by every rank before its engines are built (a no-op for other faults)."""
+    if fault in PARALLEL_FAULT_AXES:
+        from parity.parallel_faults import planted
+        return planted(fault)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -314,6 +359,10 @@ FAULTS = (
     Fault("swapped-cfg", "guidance combine with cond and uncond swapped", "C1"),
     Fault("stale-und-cache", "und-stream cache key forgets the prompt content", "C1"),
     Fault("shared-solver-state", "same-shape requests share one solver state", "C1"),
+    Fault("stale-static-buffer", "captured step replayed without copying new inputs into its static buffers "
+          "(emulated graph on CPU)", "C1", "step 1"),
+    Fault("pad-not-masked", "shape bucket padded without masking the pad keys", "C1",
+          "step 0, cond branch, layer layers.0.gen"),
     Fault("inverted-latents-std", "VAE decode de-normalises with z / std + mean", "C4", "vae decode"),
     Fault("swapped-stereo", "left/right channels of the decoded waveform exchanged", "C4", "sound decode"),
 )

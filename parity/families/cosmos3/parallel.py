@@ -1,0 +1,176 @@
+"""cosmos3 C1 under a parallel plan (`fvparity run cosmos3 --level C1 --plan cfgp2,ulysses2`): the plan is checked
+against the cosmos3 contract (optimized/models/cosmos3 PARALLELISM) before anything runs (a refused plan is a setup
+error, exit 2), the ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank
+runs c1's loop cases through its own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP of
+the gen stream with head-sharded und K/V, optimized/models/cosmos3/parallelize.py; the cfgp axis through the
+CFG-parallel policy). Parallel faults (PARALLEL_FAULT_DECLS) are planted by every rank itself.
+
+Rows per rank and request: c1's rows (timesteps, initial noise, every step's latents vs the fp32 reference loop, the
+loop tolerance), the engine's final latents under the plan vs the engine in one process (`vs_one_process`), and that
+every rank holds the same latents (`ranks_agree`). Localisation: each rank also traces its (parallel) model on the
+reference's own inputs of every step of each case's first request, both CFG branches; the first divergent step is
+named with the first divergent layer of that trace (or "after the transformer" when every layer agrees).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from manifests.parity import load_parity_contract
+from optimized.parallel.plan import ParallelPlan, ParallelPlanError
+from parity.errors import SetupError
+from parity.families.cosmos3 import faults as fault_lib
+from parity.families.cosmos3.c1 import (compare_runs, forward_inputs, loop_cases, run_engine_case,
+                                        run_reference_loop)
+from parity.families.cosmos3.common import load_reference
+from parity.family import DTYPE_NAMES, DTYPES
+from parity.localise import TraceRecorder, first_divergence
+from parity.metrics import compare, within
+from parity.report import CheckResult, Report
+
+RANK_TIMEOUT_S = 900.0
+Probe = tuple[str, object]   # (branch, Cosmos3ForwardInputs) of one step
+
+
+def parse_plan(text: str, models: list, device: str, fault: str | None) -> ParallelPlan:
+    """The plan, validated for every model (SetupError naming the broken constraint)."""
+    from optimized.models.cosmos3 import PARALLELISM
+
+    try:
+        plan = ParallelPlan.parse(text)
+        for _, cfg, _ in models:
+            PARALLELISM.validate(plan, cfg, plan.world_size)
+    except ParallelPlanError as e:
+        raise SetupError(f"--plan {text}: {e}") from None
+    if plan.world_size > 1 and not device.startswith("cpu"):
+        raise SetupError(f"--plan spawns its ranks on CPU (gloo); --device {device} does not apply")
+    need = fault_lib.PARALLEL_FAULT_AXES.get(fault)
+    if need is not None and plan.degree(need) == 1:
+        raise SetupError(f"fault {fault} lives on the {need} axis: give a plan with {need} > 1")
+    return plan
+
+
+def _probes(cfg, case, ref_run, dtype) -> list[list[Probe]]:
+    """Per step of the case's first request: the reference's own forward inputs of each CFG branch."""
+    req = case.requests[0]
+    out = []
+    for step in range(len(ref_run.trajectory)):
+        before = ref_run.initial if step == 0 else ref_run.trajectory[step - 1]
+        branches = [("cond", req.text_ids)] + ([("uncond", req.negative_text_ids)] if req.uses_cfg else [])
+        out.append([(b, forward_inputs(cfg, req, before, ref_run.timesteps[step], dtype, ids)) for b, ids in branches])
+    return out
+
+
+def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fault: str | None,
+                 probes: list[list[list[Probe]]]) -> list:
+    """This rank's runs of every case and its traces on the probe inputs: [(runs, [[(branch, trace)] per step])]."""
+    import optimized
+    from optimized.parallel.cfg_parallel import CFGParallel
+    from optimized.parallel.mesh import build_mesh
+
+    plan = ParallelPlan.parse(plan_text)
+    mesh = build_mesh(plan)
+    out = []
+    with fault_lib.planted_parallel(fault):
+        for case, case_probes in zip(cases, probes):
+            policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else case.cfg_policy
+            sent = {a: mesh.axis(a).stats["bytes_sent"] for a, _ in plan.active_axes}
+            engine = optimized.Engine.from_state_dict(cfg, state, "cpu", DTYPES[dname], cfg_policy=policy)
+            engine.family.parallelize(engine.model, mesh)
+            runs = run_engine_case(engine, case)
+            traces = []
+            for step_probes in case_probes:
+                per_branch = []
+                for branch, inp in step_probes:
+                    rec = TraceRecorder(sample=0)
+                    with torch.no_grad():
+                        engine.model.forward_batch([inp], trace=rec)
+                    per_branch.append((branch, rec.records))
+                traces.append(per_branch)
+            used = {a: mesh.axis(a).stats["bytes_sent"] - sent[a] for a in sent}   # bytes each axis sent
+            out.append((runs, traces, used))
+    return out
+
+
+def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, dtypes: list[str], seed: int,
+                fault: str | None, progress: Callable[[str], None], cases: str = "ci",
+                wanted: Callable[[str], bool] = lambda name: True) -> Report:
+    import optimized
+    from optimized.parallel.launch import run_ranks
+
+    report.settings["plan"] = plan.name()
+    contract = load_parity_contract("cosmos3")
+    for vname, cfg, state in models:
+        for dname in dtypes:
+            dtype, dev = DTYPES[dname], device.split(":")[0]
+            tol = contract.tolerance("C1", DTYPE_NAMES[dname], dev)
+            c0_tol = contract.tolerance("C0", DTYPE_NAMES[dname], dev)
+            reference = load_reference(cfg, state, device, dtype)
+            todo = [c for c in loop_cases(cfg, cases, seed) if wanted(c.name)]
+            ref_runs = [[run_reference_loop(reference, req) for req in case.requests] for case in todo]
+            probes = [_probes(cfg, case, runs[0], dtype) for case, runs in zip(todo, ref_runs)]
+            progress(f"[cosmos3 C1] {vname} {dname}: plan {plan.name()} on {plan.world_size} gloo ranks, "
+                     f"{len(todo)} cases")
+            ranks = run_ranks(_rank_worker, plan.world_size, (plan.name(), cfg, state, dname, todo, fault, probes),
+                              timeout_s=RANK_TIMEOUT_S)
+            for c, case in enumerate(todo):
+                engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy)
+                one = run_engine_case(engine, case)
+                prefix = f"{vname}/{dname}/{plan.name()}/{case.name}"
+                idle = [f"rank {r} axis {a}" for r, rank in enumerate(ranks) for a, n in rank[c][2].items() if not n]
+                report.checks.append(CheckResult(
+                    f"{prefix}/axes_exchanged", not idle, detail="every axis of the plan moved data on every rank: "
+                    + ", ".join(f"{a} {n} B" for a, n in ranks[0][c][2].items()) if not idle else
+                    f"no exchange (the plan ran replicated): {', '.join(idle)}"))
+                for k, req in enumerate(case.requests):
+                    sub = f"/req{k}" if len(case.requests) > 1 else ""
+                    for r, rank in enumerate(ranks):
+                        eng_run, traces = rank[c][0][k], rank[c][1]
+                        report.checks += compare_runs(
+                            f"{prefix}/rank{r}{sub}", ref_runs[c][k], eng_run, tol,
+                            lambda step, k=k, traces=traces, r=r: _localise(reference, probes[c], traces, step,
+                                                                           c0_tol, r) if k == 0 else
+                            f"step {step} (rank {r}; layers are traced for the case's first request only)")
+                        report.checks += _vs_one_process(f"{prefix}/rank{r}{sub}", eng_run, one[k], tol, plan)
+                    finals = [rank[c][0][k].trajectory[-1] if rank[c][0][k].trajectory else None for rank in ranks]
+                    agree = all(f is not None and f.keys() == finals[0].keys() and
+                                all(torch.equal(f[m], finals[0][m]) for m in f) for f in finals)
+                    report.checks.append(CheckResult(
+                        f"{prefix}{sub}/ranks_agree", agree,
+                        detail=f"final latents bitwise equal on all {len(ranks)} ranks" if agree else
+                        "the ranks hold different final latents"))
+    return report
+
+
+def _vs_one_process(name: str, eng_run, one_run, tol, plan: ParallelPlan) -> list[CheckResult]:
+    """The engine's final latents under the plan vs the engine in one process, per modality."""
+    if not eng_run.trajectory or not one_run.trajectory:
+        return [CheckResult(f"{name}/vs_one_process", False, detail="a run produced no step")]
+    got, want = eng_run.trajectory[-1], one_run.trajectory[-1]
+    out = []
+    for m in want:
+        if m not in got:
+            out.append(CheckResult(f"{name}/vs_one_process:{m}", False, detail=f"no {m} latents under the plan"))
+            continue
+        mt = compare(got[m], want[m])
+        out.append(CheckResult(f"{name}/vs_one_process:{m}", within(mt, tol), mt, tol,
+                               detail=f"engine final {m} latents, plan {plan.name()} vs one process"))
+    return out
+
+
+def _localise(reference, probes: list[list[Probe]], traces: list, step: int, tol, rank: int) -> str:
+    """The first layer of this rank's (parallel) model that leaves tolerance on the reference's own inputs of
+    `step`, cond branch first."""
+    if step >= len(traces):
+        return f"step {step} (rank {rank})"
+    for (branch, inp), (_, got) in zip(probes[step], traces[step]):
+        want = TraceRecorder()
+        with torch.no_grad():
+            reference(inp, trace=want)
+        div = first_divergence(got, want.records, tol)
+        if div is not None:
+            return f"step {step}, {branch} branch, layer {div.name} (rank {rank}, rel_l2 {div.metrics.rel_l2:.2e})"
+    return (f"step {step}, no layer (rank {rank}): the model agrees on the reference's inputs of both branches "
+            f"(after the transformer: CFG combine / solver)")
