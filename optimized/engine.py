@@ -67,12 +67,13 @@ class RequestHandle:
 class Engine:
     def __init__(self, instance: Any, entry: FamilyEntry, cfg_policy: str = "batched",
                  memory_budget_bytes: int = 8 << 30, tick_budget_seconds: float = float("inf"), max_batch: int = 16,
-                 kv_blocks: int = 512, kv_block_size: int = 16, group: Any = None):
+                 kv_blocks: int = 512, kv_block_size: int = 16, group: Any = None, batching: str = "measured"):
         self.model = instance
         self.family = entry
         self.options = LoopOptions(cfg_policy, kv_blocks, kv_block_size, group)
         self.bus = EventBus()
-        self.scheduler = WorkUnitScheduler(memory_budget_bytes, tick_budget_seconds, max_batch, self.bus)
+        self.scheduler = WorkUnitScheduler(memory_budget_bytes, tick_budget_seconds, max_batch, self.bus,
+                                           batching=batching)
         self._loops: dict[str, LoopKernel] = {}   # built on first use, one kernel per loop name
         for cache in entry.caches(instance):      # cache decisions join the engine's event stream
             cache.subscribe(lambda ev: self.bus.emit(Event(

@@ -123,7 +123,7 @@ def list_cmd(probes: bool) -> None:
               help="Sequence-parallel world size(s) to check against world size 1 (repeatable; families with a "
                    "parallel plan only, e.g. seedvr2; CPU ranks use gloo).")
 @click.option("--cases", type=click.Choice(["ci", "full"]), default="ci", show_default=True,
-              help="Case matrix of families that generate their cases by rule (cosmos3 C0/C1): ci = every rule "
+              help="Case matrix of families that generate their cases by rule (cosmos3, wan C0/C1): ci = every rule "
                    "once (the CI main job); full = every draw, batch position and config permutation.")
 @click.option("--graph", type=click.Choice(["eager", "compile", "cuda"]), default="eager", show_default=True,
               help="How the optimized step body runs: eager, torch.compile per shape bucket, or captured CUDA graphs "

@@ -137,6 +137,20 @@ def test_fake_clock_negative_control_without_the_cost_model_rule():
     assert set(_sizes(kernel)[2:10]) == {3}
 
 
+def test_greedy_batching_ignores_the_clock():
+    """Parity runs compare batched against solo results: with batching="greedy" the same slow-batch clock as above
+    never splits the batch (its composition cannot depend on timing), while "measured" does."""
+    slow = lambda b: 1.0 * b + 0.5 * (b > 1)
+    kernel = TimedKernel(FakeClock(), seconds=slow)
+    _run(kernel, [Job("b", 8), Job("c", 8)], Job("a", 10), batching="greedy")
+    assert set(_sizes(kernel)[2:10]) == {3}, _sizes(kernel)
+    kernel = TimedKernel(FakeClock(), seconds=slow)
+    _run(kernel, [Job("b", 8), Job("c", 8)], Job("a", 10))
+    assert 3 not in _sizes(kernel)[3:10], _sizes(kernel)
+    with pytest.raises(ValueError, match="batching must be one of"):
+        WorkUnitScheduler(batching="sometimes")
+
+
 # ---------------------------------------------------------------------------------------------------- captured buckets
 def _split_group(graph: bool) -> TimedKernel:
     """max_batch 2: e and a (buckets X, X) warm up the (X, X) body and e finishes; then c (Y) and d (X) arrive.

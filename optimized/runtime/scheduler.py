@@ -54,6 +54,9 @@ class RequestFailed(RuntimeError):
 
 
 CostKey = tuple[str, str, str, str]
+# how a group is cut into batches: "measured" = never a batch measured slower than its members one by one (serving);
+# "greedy" = the largest batch memory and max_batch allow, whatever the clock says (reproducible batch composition)
+BATCHING = ("measured", "greedy")
 
 
 class CostModel:
@@ -130,14 +133,18 @@ class RequestRecord:
 
 class WorkUnitScheduler:
     def __init__(self, memory_budget_bytes: int = 8 << 30, tick_budget_seconds: float = float("inf"),
-                 max_batch: int = 16, bus: EventBus | None = None, clock: Callable[[], float] = time.perf_counter):
+                 max_batch: int = 16, bus: EventBus | None = None, clock: Callable[[], float] = time.perf_counter,
+                 batching: str = "measured"):
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+        self.batching = batching           # "greedy": batch sizes never depend on timing (parity runs, tests)
         self.memory_budget_bytes = memory_budget_bytes   # per rank: every rank of a plan runs its own scheduler
         self.tick_budget_seconds = tick_budget_seconds
         self.max_batch = max_batch
         self.bus = bus or EventBus()
         self.clock = clock                 # step timing for the cost model (a fake clock in tests)
         self.cost = CostModel()
-        self.warm: dict[tuple, None] = {}  # (group, bucket composition) whose step body is compiled / captured (ordered)
+        self.warm: dict[tuple, None] = {}  # (group, bucket composition) with a compiled / captured body (ordered)
         self.graph_groups: set = set()     # groups whose step body reported a compiled / replayed graph
         self.records: dict[str, RequestRecord] = {}
         self.waiting: list[str] = []
@@ -270,7 +277,7 @@ class WorkUnitScheduler:
             cand = rest[:self.max_batch]
             size = 1
             for b in range(2, len(cand) + 1):
-                if self.cost.slower_than_solo([plans[r] for r in cand[:b]]):
+                if self.batching == "measured" and self.cost.slower_than_solo([plans[r] for r in cand[:b]]):
                     break  # batching this many lost against one by one: a larger batch is not tried either
                 size = b
             batch = rest[:size]
@@ -389,7 +396,8 @@ class WorkUnitScheduler:
             rec.state = state
             rec.steps_run += 1
             self._emit("trace.step", rec, loop=plan.loop_id, phase=plan.phase, step=plan.step_index,
-                       parallel_plan=plan.parallel_plan_hash, batch_size=len(recs), batch=[r.request_id for r in recs], seconds=seconds,
+                       parallel_plan=plan.parallel_plan_hash, batch_size=len(recs), batch=[r.request_id for r in recs],
+                       seconds=seconds,
                        step_bytes=plan.resources.device_bytes, cache_reads=[k.short() for k in plan.cache_reads],
                        **plan.info)
             output = kernel.step_output(state, plan)

@@ -55,7 +55,8 @@ C2_FAULTS, FAULTS = c2_faults("und", "a weight update keeps the old version's un
 def c2_checks(prefix: str, cfg: Cosmos3Config, state: dict[str, torch.Tensor], device: str, dname: str,
               fault: str | None, progress) -> list[CheckResult]:
     dtype = DTYPES[dname]
-    engine = optimized.Engine.from_state_dict(cfg, state, device=device, dtype=dtype, weights_version="policy-v1")
+    engine = optimized.Engine.from_state_dict(cfg, state, device=device, dtype=dtype, weights_version="policy-v1",
+                                              batching="greedy")   # batch composition must not depend on timing
     reference = load_reference(cfg, state, device, dtype)
     c2 = LogprobIdentity(prefix, engine, C2_FAULTS, fault)
 

@@ -49,9 +49,10 @@ def reference_side(model, cfg, seeds, **kw):
 def c3_checks(prefix: str, cfg: Cosmos3Config, state, device: str, dname: str, fault: str | None,
               progress) -> list[CheckResult]:
     dtype = DTYPES[dname]
-    engine = optimized.Engine.from_state_dict(cfg, state, device=device, dtype=dtype)
+    engine = optimized.Engine.from_state_dict(cfg, state, device=device, dtype=dtype, batching="greedy")
     model = load_reference(cfg, state, device, dtype)
-    small = lambda: optimized.Engine.from_state_dict(cfg, state, device=device, dtype=dtype, max_batch=3)
+    small = lambda: optimized.Engine.from_state_dict(cfg, state, device=device, dtype=dtype, max_batch=3,
+                                                     batching="greedy")
     sides = engine_sides(lambda seeds, **kw: reference_side(model, cfg, seeds, **kw), engine, small,
                          lambda s, **kw: _req(cfg, s, **kw),
                          lambda k: request(cfg, 10_000 + k, prompt_seed=5, sde=SDEConfig(0.5)), C3_FAULTS, fault)

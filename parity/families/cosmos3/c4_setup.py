@@ -172,7 +172,7 @@ class EngineSide:
         import optimized.models.cosmos3.vae_chain as opt_chain
         import optimized.models.wan as opt_wan
         self.opt_sound = opt_chain  # the decode / encode seams (vae_chain); the sound decoder is opt_sound's
-        self.engine = optimized.Engine.from_state_dict(c.cfg, c.state, device, dtype)
+        self.engine = optimized.Engine.from_state_dict(c.cfg, c.state, device, dtype, batching="greedy")
         self.vae = opt_wan.load_fast_vae(c.vcfg, c.vae_state, device)
         self.sound = None if c.scfg is None else opt_sound.load_fast_sound_decoder(c.scfg, c.sound_state, device)
 

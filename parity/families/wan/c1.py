@@ -400,7 +400,7 @@ def golden_reference(cfg, weights, req) -> GoldenSide:
 
 
 def golden_engine(cfg, weights, req) -> GoldenSide:
-    engine = optimized.Engine.from_weights(cfg, weights, weights_version="golden")
+    engine = optimized.Engine.from_weights(cfg, weights, weights_version="golden", batching="greedy")
     with fed_to_engine(engine) as calls:
         r = engine.generate(req, record_trajectory=True)
     state = engine.loop("denoise").init_state(WanDenoiseJob(req))

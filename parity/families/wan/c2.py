@@ -47,7 +47,8 @@ def perturbed(weights: dict[str, dict[str, torch.Tensor]], seed: int) -> dict[st
 def c2_checks(prefix: str, m: ModelUnderTest, device: str, dname: str, fault: str | None,
               progress) -> list[CheckResult]:
     cfg = m.cfg
-    engine = optimized.Engine.from_weights(cfg, m.weights, device, DTYPES[dname], weights_version="policy-v1")
+    engine = optimized.Engine.from_weights(cfg, m.weights, device, DTYPES[dname], weights_version="policy-v1",
+                                           batching="greedy")   # batch composition must not depend on timing
     pipe = reference_pipeline(m, device)
     c2 = LogprobIdentity(prefix, engine, C2_FAULTS, fault)
 

@@ -46,9 +46,9 @@ def reference_side(pipe, cfg, seeds, **kw):
 
 def c3_checks(prefix: str, m, device: str, dname: str, fault: str | None, progress) -> list[CheckResult]:
     dtype, cfg, state = DTYPES[dname], m.cfg, m.weights
-    engine = optimized.Engine.from_weights(cfg, state, device, dtype)
+    engine = optimized.Engine.from_weights(cfg, state, device, dtype, batching="greedy")
     model = reference_pipeline(m, device)
-    small = lambda: optimized.Engine.from_weights(cfg, state, device, dtype, max_batch=3)
+    small = lambda: optimized.Engine.from_weights(cfg, state, device, dtype, max_batch=3, batching="greedy")
     sides = engine_sides(lambda seeds, **kw: reference_side(model, cfg, seeds, **kw), engine, small,
                          lambda s, **kw: _req(cfg, s, **kw),
                          lambda k: sde_request(cfg, 10_000 + k, prompt=5, sde=SDEConfig(0.5)), C3_FAULTS, fault)

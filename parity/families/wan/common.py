@@ -339,7 +339,7 @@ def reference_pipeline(m: ModelUnderTest, device: str = "cpu") -> ref.WanReferen
 
 def engine_for(m: ModelUnderTest, device: str, dtype: torch.dtype, seed: int, cfg_policy: str = "batched"):
     return optimized.Engine.from_weights(m.cfg, m.weights, device, dtype, weights_version=f"parity:{m.name}:{seed}",
-                                         cfg_policy=cfg_policy)
+                                         cfg_policy=cfg_policy, batching="greedy")
 
 
 def optimized_step_input(loop, request: WanGenerateRequest, latents: torch.Tensor | None = None, step: int = 0):
