@@ -512,6 +512,17 @@ def _headers(comp: ComponentCheckpoint) -> dict[str, _Entry]:
     return entries
 
 
+TensorEntry = _Entry   # public name of one tensor's header entry: file, dtype, shape, absolute byte offset, nbytes
+
+
+def tensor_index(comp: ComponentCheckpoint) -> dict[str, TensorEntry]:
+    """Every tensor of a component as {key: TensorEntry}, read from the safetensors headers only (no tensor data),
+    validated as load_state validates them: offsets fit each file, no key in two shards, the shard index (if any)
+    maps every key to its file. For readers that take byte ranges themselves (e.g. a tensor-parallel rank reading
+    only its slices: optimized/models/wan/parallelize.py); keys and shapes are NOT checked against a config."""
+    return _headers(comp)
+
+
 def _read_tensor(f, e: _Entry) -> torch.Tensor:
     if e.nbytes == 0:
         return torch.empty(e.shape, dtype=e.dtype)
@@ -601,4 +612,5 @@ def load_state(path_or_ckpt: str | Path | CanonicalCheckpoint, component: str | 
 
 __all__ = ["CanonicalCheckpoint", "CheckpointError", "ComponentCheckpoint", "ComponentLayout", "COSMOS3_PARTS",
            "DEFAULT_COMPONENT", "FORMAT_VERSION", "MODEL_INDEX", "component_kinds", "family_names", "get_layout",
-           "load_state", "model_config_parser", "read_checkpoint", "weights_version_of"]
+           "load_state", "model_config_parser", "read_checkpoint", "TensorEntry", "tensor_index",
+           "weights_version_of"]

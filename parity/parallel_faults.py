@@ -14,7 +14,8 @@ Seams and faults:
     optimized.parallel.tp.column_shard          tp-column-wrong-slice    column shards from rank r + 1's slice
     AxisGroup.broadcast_object                  rank-exit:R / rank-hang:R / rank-raise:R   rank R dies / hangs /
                                                                           raises when the requests are broadcast
-Family-specific parallel faults (e.g. wan's tp-wrong-slice at its per-key slice plan) live with the family.
+Family-specific parallel faults live with the family and plant through `patched` here (wan's tp-wrong-slice at
+parallelize.tp_slice, pad-keys-not-masked at transformer.key_mask_shard: parity/families/wan/faults.py).
 """
 
 from __future__ import annotations

@@ -66,6 +66,57 @@ def test_c1_ulysses2_passes_on_two_gloo_ranks():
     names = {c.name for c in report.checks}
     assert any("/rank1/" in n and n.endswith("/step3") for n in names)          # every rank, every step compared
     assert any(n.endswith("/vs_one_process") for n in names)                    # SP=2 vs SP=1 of the engine
+    assert any("/sp_padded_2/rank1/" in n for n in names)                        # the padded loop ran and passed
+
+
+def test_four_head_variant_takes_ulysses4_where_two_heads_are_refused():
+    from optimized.parallel.plan import ParallelPlanError
+
+    plan = ParallelPlan.parse("ulysses4")
+    assert PARALLELISM.validate(plan, load_model_variant("tiny-2.1-t2v-4h"), 4) == plan
+    with pytest.raises(ParallelPlanError, match="not divisible by ulysses x tp = 4"):
+        PARALLELISM.validate(plan, load_model_variant(VARIANT), 4)
+
+
+def test_padded_case_pads_the_sharded_sequence():
+    """The sp_padded loop's token count leaves a remainder at every SP degree it is built for (so Ulysses / ring pad
+    and mask), while the anchor loops divide 2 and 4 (so only the padded loop exercises the mask)."""
+    from parity.families.wan.parallel import padded_case, plan_cases
+
+    cfg = load_model_variant(VARIANT)
+    s, t = cfg.vae.spatial_compression * cfg.dit.patch_size[1], cfg.vae.temporal_compression
+
+    def tokens(req):
+        return ((req.num_frames - 1) // t + 1) * (req.height // s) * (req.width // s)
+
+    for n in (2, 3, 4, 8):
+        assert tokens(padded_case(cfg, n).requests[0]) % n != 0, n
+    anchors = plan_cases(cfg, ParallelPlan.parse("ulysses2"))[:-1]
+    assert all(tokens(r) % 4 == 0 for c in anchors for r in c.requests)
+    assert [c.name for c in plan_cases(cfg, ParallelPlan.parse("cfgp2"))] == [c.name for c in anchors]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_pad_keys_not_masked_fails_in_the_padded_loop_naming_step_and_layer():
+    report = c1("ulysses2", fault="pad-keys-not-masked")
+    bad = [c for c in report.checks if not c.passed]
+    assert bad, "C1 passed with the SP pad keys unmasked"
+    assert all("/sp_padded_2/" in c.name for c in bad), [c.name for c in bad][:6]   # the anchors never pad
+    assert any("step 0, cond branch, layer blocks.0" in (c.divergence or "") for c in bad), \
+        [(c.name, c.divergence) for c in bad][:6]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_c1_ulysses4_on_the_four_head_variant():
+    """World size 4: every tiny wan variant but tiny-2.1-t2v-4h has 2 heads, which ulysses4 cannot split."""
+    from parity.families.wan.c1 import run_c1
+
+    report = run_c1(["tiny-2.1-t2v-4h"], None, "cpu", ["fp32"], 0, None, lambda msg: None, plan="ulysses4")
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+    names = {c.name for c in report.checks}
+    assert any("/rank3/" in n for n in names) and any("/sp_padded_4/" in n for n in names)
 
 
 @pytest.mark.dist

@@ -190,8 +190,8 @@ def test_c1_four_rank_plans_pass(plan):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_c1_ulysses4_on_a_four_head_checkpoint(tmp_path):
-    """Every tiny variant has 2 heads (ulysses4 refused); a 4-head model written as a canonical checkpoint runs
-    `fvparity run wan --level C1 --checkpoint DIR --plan ulysses4` on 4 ranks."""
+    """The checkpoint path at world size 4 (the variant path is tests/test_wan_sp.py, tiny-2.1-t2v-4h): a 4-head model
+    written as a canonical checkpoint runs `fvparity run wan --level C1 --checkpoint DIR --plan ulysses4` on 4 ranks."""
     from parity.families.wan.c1 import run_c1
     from parity.families.wan.common import ModelUnderTest, random_model_weights
 

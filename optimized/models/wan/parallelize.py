@@ -88,10 +88,10 @@ def shard_params(component: ComponentSpec, params: dict[str, torch.Tensor], tp: 
 def read_sharded_state(ckpt, component: str | None, cfg: WanDiTConfig, tp: AxisGroup) -> dict[str, torch.Tensor]:
     """This rank's slice of every canonical DiT key, read from the checkpoint's safetensors files by memory map (a
     column shard is a contiguous byte range, a row shard 1 / n of every row): the full weights are never read."""
-    from manifests.checkpoint import CheckpointError, _headers   # the canonical reader's validated header index
+    from manifests.checkpoint import CheckpointError, tensor_index   # the canonical reader's validated header index
 
     comp = ckpt.component(component)
-    entries = _headers(comp)
+    entries = tensor_index(comp)
     shapes = dit_key_shapes(cfg)
     extra, missing = sorted(set(entries) - set(shapes)), sorted(set(shapes) - set(entries))
     if extra or missing:

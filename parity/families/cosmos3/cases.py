@@ -342,6 +342,9 @@ def ar_requests(cfg: Cosmos3Config, matrix: str = "ci", seed: int = 0) -> list[R
                  ReasonRequest(ids(r.randint(2, 9)), n, temperature=round(r.uniform(0.8, 1.3), 2),
                                top_p=round(r.uniform(0.02, 0.15), 3), top_k=r.randint(2, cfg.vocab_size - 1),
                                seed=r.randint(0, 999))]
+    # top-p at temperatures far from 1: filtering before / after the temperature picks differently
+    reqs += [ReasonRequest(ids(5), 16, temperature=0.5, top_p=0.9, seed=4),
+             ReasonRequest(ids(6), 16, temperature=1.5, top_p=0.7, seed=3)]
     return reqs
 
 

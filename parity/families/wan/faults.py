@@ -12,6 +12,8 @@ Where each is planted (context managers; everything is restored on exit, caches 
              optimized.parallel.sp.split_head_groups         ulysses-heads-permuted   (--plan ulysses*)
              CFGParallel.branch_rows                          cfg-branches-swapped     (--plan cfgp2*)
              optimized.models.wan.parallelize.tp_slice        tp-wrong-slice           (--plan tp*)
+             optimized.models.wan.transformer.key_mask_shard  pad-keys-not-masked      (--plan ulysses*; fails in
+                                                                                         the sp_padded loop only)
 DiT / UMT5 faults are planted in the C0 components and, for C1, in the engine's model instance too.
 """
 
@@ -54,6 +56,9 @@ PARALLEL_FAULT_DECLS = (
           "(C1 with --plan cfgp2)", "C1", "step 0, no layer (rank 0): the DiT agrees on the reference's input"),
     Fault("tp-wrong-slice", f"TP: block {FAULT_LAYER}'s FFN down projection (row-parallel) loaded from the next "
           "rank's slice (C1 with --plan tp2)", "C1", f"step 0, cond branch, layer blocks.{FAULT_LAYER}"),
+    Fault("pad-keys-not-masked", "SP: the keys padding the sharded sequence to a multiple of ulysses x ring join "
+          "self-attention unmasked (C1 with --plan ulysses2: the sp_padded loop)", "C1",
+          "step 0, cond branch, layer blocks.0"),
 )
 FAULT_NAMES = tuple(f.name for f in FAULTS)
 DIT_FAULTS = ("rope-wrong-axis", "perturbed-weight")
@@ -64,7 +69,7 @@ LOOP_FAULTS = ("expert-switch-late",)
 GRAPH_FAULTS = ("stale-static-buffer",)   # parity/graph_faults.py, in every DiT expert of the engine
 DECODE_FAULTS = ("inverted-latents-std",)
 PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
-                       "tp-wrong-slice": "tp"}   # fault -> the plan axis it lives on
+                       "tp-wrong-slice": "tp", "pad-keys-not-masked": "sp_ulysses"}   # fault -> its plan axis
 PARALLEL_FAULTS = tuple(PARALLEL_FAULT_AXES)
 
 C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + tuple(VAE_FAULTS)
@@ -221,10 +226,26 @@ def _tp_wrong_slice():
     return _patched(parallelize, "tp_slice", wrong)
 
 
+def _pad_keys_not_masked():
+    """The SP block stack's pad-key mask replaced by all-True: the zero rows padding the sequence to a multiple of
+    ulysses x ring are attended to as if they were tokens (through the seam the wan DiT calls,
+    optimized.models.wan.transformer.key_mask_shard)."""
+    from optimized.models.wan import transformer
+    from parity.parallel_faults import patched
+
+    def unmasked(original):
+        def key_mask_shard(batch, length, n, index, device=None):
+            return torch.ones_like(original(batch, length, n, index, device))
+        return key_mask_shard
+    return patched(transformer, "key_mask_shard", unmasked)
+
+
 def planted_parallel(fault: str | None):
     """A parallel fault, entered by every rank before its model is loaded / parallelized (a no-op otherwise)."""
     if fault == "tp-wrong-slice":
         return _tp_wrong_slice()
+    if fault == "pad-keys-not-masked":
+        return _pad_keys_not_masked()
     if fault in PARALLEL_FAULTS:   # the runtime's own seams (parity/parallel_faults.py)
         from parity.parallel_faults import planted
         return planted(fault)

@@ -1,6 +1,7 @@
 """wan C1 under a parallel plan (`fvparity run wan --level C1 --plan ulysses2`): the plan is checked against the wan
 contract (optimized/models/wan PARALLELISM) before anything runs (a refused plan is a setup error, exit 2), the
 ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank runs c1's loop cases
+(plus, under sequence parallelism, a loop whose token count does not divide ulysses x ring: `padded_case`)
 through its own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP inside the DiT; the
 cfgp axis through the CFG-parallel policy; tp through column / row-parallel DiT layers). With tp > 1 every rank
 loads its DiT shards from a canonical checkpoint (`--checkpoint`, or the variant's weights written as one by
@@ -31,8 +32,8 @@ from parity.errors import SetupError
 from parity.families.wan import common, faults
 from parity.families.wan.c1 import (LoopCase, loop_cases, run_engine_case, run_reference, schedule_checks,
                                     trajectory_checks)
-from parity.families.wan.common import (DiTInputs, ModelUnderTest, contract_tolerance, engine_for, reference_pipeline,
-                                        run_optimized_dit, run_reference_dit)
+from parity.families.wan.common import (DiTInputs, ModelUnderTest, contract_tolerance, engine_for, make_request,
+                                        reference_pipeline, run_optimized_dit, run_reference_dit)
 from parity.family import DTYPES
 from parity.localise import first_divergence
 from parity.metrics import compare, within
@@ -57,6 +58,23 @@ def parse_plan(text: str, models: list[ModelUnderTest], device: str, fault: str 
     if axis is not None and getattr(plan, axis) == 1:
         raise SetupError(f"fault {fault} lives on the {axis} axis: give a plan with {axis} > 1")
     return plan
+
+
+def padded_case(cfg, sp_degree: int) -> LoopCase:
+    """A loop whose token count does not divide the SP degree, so the sharded sequence is padded and the pad keys
+    must be masked: 1 patch row x (n + 1) patch columns x F latent frames with F % n != 0 (3, or 1 when n divides
+    3): F (n + 1) tokens, F mod n past a multiple of n. The anchor loops (2 x 2 x 2 = 8 tokens) never pad at n = 2, 4."""
+    n = sp_degree
+    frames = 9 if 3 % n else 1      # pixel frames -> 3 (or 1) latent frames
+    s = cfg.vae.spatial_compression * cfg.dit.patch_size[1]
+    req = make_request(cfg, 8, num_frames=frames, height=s, width=(n + 1) * s)
+    return LoopCase(f"sp_padded_{n}", (req,), rules=("sp_padding",))
+
+
+def plan_cases(cfg, plan: ParallelPlan) -> list[LoopCase]:
+    """c1's anchor loops, plus the padded-sequence loop when the plan shards the sequence (ulysses x ring > 1)."""
+    n = plan.sp_ulysses * plan.sp_ring
+    return loop_cases(cfg) + ([padded_case(cfg, n)] if n > 1 else [])
 
 
 def _dit_inputs(pipe, req, ref_run, step: int) -> tuple[int, DiTInputs]:
@@ -169,7 +187,7 @@ def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: st
     from optimized.parallel.launch import run_ranks
 
     pipe = reference_pipeline(m)
-    cases = loop_cases(m.cfg)
+    cases = plan_cases(m.cfg, plan)
     ref_runs = [[run_reference(pipe, req) for req in case.requests] for case in cases]
     probes = [[_dit_inputs(pipe, case.requests[0], runs[0], s) for s in range(len(runs[0].trajectory))]
               for case, runs in zip(cases, ref_runs)]
