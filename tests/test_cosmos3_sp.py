@@ -108,7 +108,7 @@ def test_invalid_plan_exits_2_naming_the_constraint():
     assert bad.returncode == 2, bad.stderr
     assert "4 heads are not divisible by ulysses x tp = 3 x 1 = 3" in bad.stderr
     from parity.errors import SetupError
-    from parity.families.cosmos3.c1 import run_c1
+    from parity.families.cosmos3.parallel import run_c1
     with pytest.raises(SetupError, match="give a plan with sp_ulysses > 1"):     # a fault the plan cannot reach
         run_c1([VARIANT], None, "cpu", ["fp32"], 0, "ulysses-heads-permuted", lambda msg: None, plan="cfgp2")
 
@@ -141,7 +141,7 @@ def test_sp_forward_other_plans(plan, world):
 
 
 def c1(plan: str, fault: str | None = None, only=("t2v",)):
-    from parity.families.cosmos3.c1 import run_c1
+    from parity.families.cosmos3.parallel import run_c1
     return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, only=only, plan=plan)
 
 

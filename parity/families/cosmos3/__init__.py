@@ -9,10 +9,10 @@ and c4.py (decoded artifacts); each level module exposes its runner and a PROBES
 from __future__ import annotations
 
 from parity.checkpoints import c0_post_check
-from parity.families.cosmos3 import ar, c0, c1, c2, c3, c4, common, faults, processors
+from parity.families.cosmos3 import ar, c0, c1, c2, c3, c4, common, faults, parallel, processors
 from parity.family import ParityFamily
 
-LEVELS = {"C0": processors.with_processor_checks(c0.run_c0), "C1": c1.run_c1, "C2": c2.run_c2, "C3": c3.run_c3,
+LEVELS = {"C0": processors.with_processor_checks(c0.run_c0), "C1": parallel.run_c1, "C2": c2.run_c2, "C3": c3.run_c3,
           "C4": c4.run_c4}
 PROBES = {**c0.PROBES, **c1.PROBES, **ar.PROBES, **c4.PROBES, **processors.PROBES}
 

@@ -235,14 +235,14 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
 
     progress(f"[cosmos3 C1] {prefix}: reasoning solo and batched")
     for i, r in enumerate(reqs):
-        eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
+        eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
         try:
             got = eng.reason(r, record_logits=True)
         except RuntimeError as e:  # a failed engine request is a failed check, not a crash of the run
             checks.append(CheckResult(f"{prefix}/ar/solo{i}:tokens", False, detail=str(e)))
             continue
         checks += compare_one(f"{prefix}/ar/solo{i}", got, i)
-    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
+    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
     handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
     eng.run_until_idle()
     for i, h in enumerate(handles):
@@ -253,7 +253,7 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
         checks += compare_one(f"{prefix}/ar/batched{i}", h.result(), i)
 
     progress(f"[cosmos3 C1] {prefix}: reasoning mixed with denoising in one scheduler")
-    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
+    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
     ticks: dict[str, set[int]] = {"ar": set(), "denoise": set()}
     eng.subscribe(lambda ev: ticks["ar" if ev.data.get("loop") == "cosmos3.ar_decode" else "denoise"].add(ev.tick),
                   prefix="trace.step")
@@ -281,7 +281,7 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
                                      f"all requests completed"))
 
     progress(f"[cosmos3 C1] {prefix}: reason_then_generate on one instance")
-    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
+    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
     template = denoise_request(cfg, 50)
     prog = eng.reason_then_generate(reqs[0], template)
     try:
@@ -326,7 +326,7 @@ def golden_reason_probe(case, sides) -> list[CheckResult]:
             res = reason(model, req)
             tokens, step_logits = res.tokens, res.logits
         else:
-            eng = optimized.Engine.from_state_dict(cfg, state, kv_block_size=4)
+            eng = optimized.Engine.from_state_dict(cfg, state, kv_block_size=4, batching="greedy")
             got = eng.reason(req, record_logits=True)
             tokens, step_logits = got["tokens"], got["logits"]
             prompt_logits = None  # the engine exposes next-token logits only; prefill covers the last row
@@ -358,9 +358,10 @@ def measure_ar_noise(cfg: Cosmos3Config, state, dtype: torch.dtype, reqs: list[R
     oracle = ReferenceOracle(reference)
     for r in reqs:
         oracle.free_run(r)
-    runs = [optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4).reason(r, record_logits=True)
+    runs = [optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4,
+                                             batching="greedy").reason(r, record_logits=True)
             for r in reqs]
-    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4)
+    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
     handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
     eng.run_until_idle()
     runs += [h.result() for h in handles]

@@ -209,23 +209,11 @@ def compare_runs(prefix: str, ref_run: SideRun, eng_run: SideRun, tol: Tolerance
 
 
 def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: str = "eager", cases: str = "ci",
-           only: tuple[str, ...] | None = None, plan: str | None = None) -> Report:
-    """`cases`: the case matrix ("ci": every rule once, "full"); `only`: run just the loop cases (and upstream
+           only: tuple[str, ...] | None = None) -> Report:
+    """C1 in one process (under a parallel plan: parallel.run_c1, the family's C1 entry, which calls this without).
+    `cases`: the case matrix ("ci": every rule once, "full"); `only`: run just the loop cases (and upstream
     anchors) whose names start with one of these, and skip the AR checks unless "ar" is among them (negative
-    controls and the mutation runner use it to stay small). `plan` (e.g. "cfgp2,ulysses2"): the loop cases on
-    every rank of the plan (gloo) vs the reference and vs one process (parallel.py)."""
-    if plan or fault in fault_lib.PARALLEL_FAULT_AXES:
-        from parity.families.cosmos3 import parallel
-        models = resolve_models(variants, checkpoint, seed)
-        parsed = parallel.parse_plan(plan or "", models, device, fault)
-        if parsed.world_size > 1:
-            if graph != "eager":
-                raise SetupError(f"--graph {graph} under a plan is not implemented for cosmos3 yet (SP runs eager)")
-            report = Report("cosmos3", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
-                                              "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint,
-                                              "fault": fault, "steps": STEPS, "cases": cases})
-            return parallel.run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress, cases,
-                                        lambda name: only is None or any(name.startswith(o) for o in only))
+    controls and the mutation runner use it to stay small)."""
     if fault is not None and fault not in fault_lib.COSMOS3_C1_FAULTS:
         raise SetupError(f"unknown C1 fault {fault!r}; known: {', '.join(fault_lib.COSMOS3_C1_FAULTS)}")
     if cases not in case_lib.MATRICES:
@@ -244,7 +232,8 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
             for case in [c for c in loop_cases(cfg, cases, seed) if wanted(c.name)]:
                 progress(f"[cosmos3 C1] {vname} {dname}: {case.name} ({len(case.requests)} request(s), "
                          f"{case.cfg_policy} CFG)")
-                engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy)
+                engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy,
+                                                          batching="greedy")
                 engine.model.configure_graph(graph, cfg_policy=case.cfg_policy, variant=vname)
                 with fault_lib.planted_c1(fault, engine):
                     eng_runs = run_engine_case(engine, case)
@@ -344,7 +333,7 @@ def golden_generate_probe(case, sides) -> list[CheckResult]:
             v0, _, s0, a0, _ = ref.sampler.initial_latents(cfg, req)
             initial = {"vision": v0, "sound": s0, "action": a0}
         else:
-            engine = optimized.Engine.from_state_dict(cfg, state, "cpu", dtype)
+            engine = optimized.Engine.from_state_dict(cfg, state, "cpu", dtype, batching="greedy")
             r = engine.generate(req, record_trajectory=True)
             final, trajectory, timesteps, initial = r["latents"], r["trajectory"], r["timesteps"], r["initial"]
         for m in ("vision", "sound", "action"):  # seeded cases: the pipeline's own draw, bit for bit

@@ -22,9 +22,11 @@ from manifests.parity import load_parity_contract
 from optimized.parallel.plan import ParallelPlan, ParallelPlanError
 from parity.errors import SetupError
 from parity.families.cosmos3 import faults as fault_lib
+from parity.families.cosmos3 import c1 as one_process
 from parity.families.cosmos3.c1 import (compare_runs, forward_inputs, loop_cases, run_engine_case,
                                         run_reference_loop)
-from parity.families.cosmos3.common import load_reference
+from parity.families.cosmos3.cases import STEPS
+from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, resolve_models
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
@@ -32,6 +34,24 @@ from parity.report import CheckResult, Report
 
 RANK_TIMEOUT_S = 900.0
 Probe = tuple[str, object]   # (branch, Cosmos3ForwardInputs) of one step
+
+
+def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: str = "eager", cases: str = "ci",
+           only: tuple[str, ...] | None = None, plan: str | None = None) -> Report:
+    """The family's C1 entry. `plan` (e.g. "cfgp2,ulysses2", or a parallel fault planted): the loop cases on every
+    rank of the plan (gloo) vs the reference and vs one process; otherwise (or a world size of 1) c1.run_c1."""
+    if plan or fault in fault_lib.PARALLEL_FAULT_AXES:
+        models = resolve_models(variants, checkpoint, seed)
+        parsed = parse_plan(plan or "", models, device, fault)
+        if parsed.world_size > 1:
+            if graph != "eager":
+                raise SetupError(f"--graph {graph} under a plan is not implemented for cosmos3 yet (SP runs eager)")
+            report = Report("cosmos3", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
+                                              "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint,
+                                              "fault": fault, "steps": STEPS, "cases": cases})
+            return run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress, cases,
+                               lambda name: only is None or any(name.startswith(o) for o in only))
+    return one_process.run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph, cases, only)
 
 
 def parse_plan(text: str, models: list, device: str, fault: str | None) -> ParallelPlan:
@@ -77,7 +97,8 @@ def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fau
         for case, case_probes in zip(cases, probes):
             policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else case.cfg_policy
             sent = {a: mesh.axis(a).stats["bytes_sent"] for a, _ in plan.active_axes}
-            engine = optimized.Engine.from_state_dict(cfg, state, "cpu", DTYPES[dname], cfg_policy=policy)
+            engine = optimized.Engine.from_state_dict(cfg, state, "cpu", DTYPES[dname], cfg_policy=policy,
+                                                      batching="greedy")
             engine.family.parallelize(engine.model, mesh)
             runs = run_engine_case(engine, case)
             traces = []
@@ -116,7 +137,8 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
             ranks = run_ranks(_rank_worker, plan.world_size, (plan.name(), cfg, state, dname, todo, fault, probes),
                               timeout_s=RANK_TIMEOUT_S)
             for c, case in enumerate(todo):
-                engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy)
+                engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy,
+                                                          batching="greedy")
                 one = run_engine_case(engine, case)
                 prefix = f"{vname}/{dname}/{plan.name()}/{case.name}"
                 idle = [f"rank {r} axis {a}" for r, rank in enumerate(ranks) for a, n in rank[c][2].items() if not n]

@@ -140,7 +140,7 @@ def _rank_engine(m: ModelUnderTest, mesh, dname: str, seed: int, policy, checkpo
         from optimized.models.wan.parallelize import load_sharded_instance
 
         return optimized.Engine(load_sharded_instance(checkpoint, mesh, "cpu", DTYPES[dname]), FAMILY,
-                                cfg_policy=policy)
+                                cfg_policy=policy, batching="greedy")
     return engine_for(m, "cpu", DTYPES[dname], seed, policy)
 
 
