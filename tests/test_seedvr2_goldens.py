@@ -51,7 +51,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_cases_are_in_the_repo_and_small():
     cases = sorted(p.parent.name for p in GOLDEN.glob("*/case.json"))
-    assert cases == ["nadit", "restore", "vae"]
+    assert cases == ["nadit", "restore", "vae", "windows"]
     size = sum(f.stat().st_size for f in GOLDEN.rglob("*") if f.is_file() and not f.is_symlink())
     assert size < 11e6, size
     for link in GOLDEN.glob("*/upstream/*.pth"):  # shared weights are relative links inside golden/seedvr2

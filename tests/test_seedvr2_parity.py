@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from parity.families import seedvr2 as fam
+from parity.families.seedvr2 import cases
 
 
 def quiet(msg: str) -> None:
@@ -14,8 +15,8 @@ def quiet(msg: str) -> None:
 
 @pytest.fixture
 def one_case(monkeypatch):
-    monkeypatch.setattr(fam, "CASES", fam.CASES[:1])       # the ragged single-sample case
-    monkeypatch.setattr(fam, "GEOMETRY_GRIDS", fam.GEOMETRY_GRIDS[:4])
+    monkeypatch.setattr(cases, "CASES", cases.CASES[:1])       # the ragged single-sample case
+    monkeypatch.setattr(cases, "GEOMETRY_GRIDS", cases.GEOMETRY_GRIDS[:4])
 
 
 def test_interface():

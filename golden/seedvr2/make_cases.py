@@ -1,7 +1,7 @@
 """Re-packs the public seedvr2 goldens (../shared/goldens/seedvr2, made by the official SeedVR code) into the
 project's case format: golden/seedvr2/<case>/{case.json, upstream/, inputs.safetensors, outputs.safetensors}.
-No tensor is recomputed: stored upstream tensors are copied (per-block intermediates and derivable tensors left
-out to keep the cases small). Run: python golden/seedvr2/make_cases.py [--src ../shared/goldens/seedvr2]."""
+No tensor is recomputed: stored upstream tensors are copied (per-block intermediates, but for the 3B last block's
+text, and derivable tensors left out to keep the cases small). Run: python golden/seedvr2/make_cases.py [--src ../shared/goldens/seedvr2]."""
 
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def main(src: Path) -> None:
     for k, c in enumerate(("nadit3b_tiny_a", "nadit3b_tiny_b")):
         ins.update({f"{n}_{k}": io[c][0][n] for n in NADIT_IN})
         outs.update({f"{n}_3b_{k}": io[c][1][n] for n in keep})
+        last = max(int(n.split("_")[1]) for n in io[c][1] if n.startswith("block_"))
+        # the last block's text output: upstream returns it (doubled, see README) though nothing reads it
+        outs[f"block_{last}_txt_3b_{k}"] = io[c][1][f"block_{last}_txt"]
     outs.update({f"{n}_7b": io["nadit7b_tiny"][1][n] for n in keep})  # its inputs = calls 0 and 1 batched
     _case("nadit", "seedvr2.nadit", {"models": {"3b": {"variant": "tiny-3b", "weights": "nadit3b.pth"},
                                                  "7b": {"variant": "tiny-7b", "weights": "nadit7b.pth"}},

@@ -7,7 +7,7 @@ import torch
 
 from manifests.seedvr2.config import NaDiTConfig, list_variants, load_vae_variant, load_variant
 from manifests.seedvr2.keys import nadit_key_shapes, vae_key_shapes
-from optimized.models.seedvr2.model import FastNaDiT, Faults, load_fast_nadit
+from optimized.models.seedvr2.model import FastNaDiT, load_fast_nadit
 from optimized.models.seedvr2.pipeline import RestorationLoop, RestoreOutput, RestoreRequest, SeedVR2Instance
 from optimized.models.seedvr2.spec import nadit_component, seedvr2_model_spec, vae_component, validate_parallel_plan
 from optimized.models.seedvr2.vae import FastVAE, load_fast_vae
@@ -65,6 +65,6 @@ FAMILY = FamilyEntry(
     parallelize=PARALLELISM,
 )
 
-__all__ = ["FAMILY", "FastNaDiT", "FastVAE", "Faults", "PlanCache", "RestorationLoop", "RestoreOutput",
+__all__ = ["FAMILY", "FastNaDiT", "FastVAE", "PlanCache", "RestorationLoop", "RestoreOutput",
            "RestoreRequest", "SeedVR2Instance", "build_geometry", "load_fast_nadit", "load_fast_vae", "make_plan",
            "nadit_component", "seedvr2_model_spec", "validate_parallel_plan"]

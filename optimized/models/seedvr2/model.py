@@ -27,15 +27,6 @@ Trace = Callable[[str, torch.Tensor], None]
 
 
 @dataclass
-class Faults:
-    """Planted faults (negative controls) only; all off in normal runs."""
-
-    cyclic_shift: bool = False           # shifted windows as a cyclic roll
-    token_weighted_text: bool = False    # text mean weighted by window token counts
-    skip_transition_at: int | None = None  # layer whose incoming layout transition is skipped
-
-
-@dataclass
 class RunStats:
     transitions: int = 0
     network_transitions: int = 0
@@ -54,7 +45,6 @@ class LocalLayout:
     groups: list[tuple[int, torch.Tensor]]               # (sample, (G, n) local row positions)
     segments: list[tuple[int, int, int]]                 # (sample, start, end) local rows of each sample
     windows_per_sample: torch.Tensor                     # (B,) global window counts
-    tokens_per_sample: torch.Tensor                      # (B,) global token counts (token-weighted fault only)
 
 
 @dataclass
@@ -101,14 +91,12 @@ class FastNaDiT:
         self.dtype = dtype
         self.parallel = validate_parallel_plan(parallel or ParallelPlan())
         self.plan_cache = PlanCache()
-        self.faults = Faults()
         self.stats = RunStats()
         self.last_rank_tokens: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ layouts
     def plan(self, req: Request, method: str, world_size: int) -> WindowPlan:
-        return self.plan_cache.get(req.grids, self.cfg.num_windows, method, world_size,
-                                   cyclic_shift=self.faults.cyclic_shift and method == "shifted")
+        return self.plan_cache.get(req.grids, self.cfg.num_windows, method, world_size)
 
     def local_layout(self, req: Request, method: str, group: SPGroup, layer: int) -> LocalLayout:
         if method in req.layouts:
@@ -140,8 +128,7 @@ class FastNaDiT:
             plan, rows, ang.cos(), ang.sin(),
             [(s, torch.stack(v)) for (s, _), v in sorted(groups.items())],
             [(s, a, b) for s, (a, b) in sorted(segments.items())],
-            torch.tensor([g.windows_of_sample(s) for s in range(B)]),
-            torch.tensor([math.prod(gr) for gr in req.grids]))
+            torch.tensor([g.windows_of_sample(s) for s in range(B)]))
         req.layouts[method] = layout
         return layout
 
@@ -150,8 +137,6 @@ class FastNaDiT:
         if current == required:
             return x
         self.stats.transitions += 1
-        if self.faults.skip_transition_at == layer:
-            return x
         key = (current, required)
         if key not in req.transitions:
             req.transitions[key] = build_transition(req.layouts[current].plan.layout,
@@ -243,17 +228,20 @@ class FastNaDiT:
             out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)         # (G, n+L, h, d)
             self.stats.attention_calls += 1
             vid_out[idx] = out[:, :n]
-            if self.faults.token_weighted_text:
-                txt_sum[a:b] += out[:, n:].sum(0) * n / float(layout.tokens_per_sample[s]) * \
-                    float(layout.windows_per_sample[s])
-            else:
-                txt_sum[a:b] += out[:, n:].sum(0)
+            txt_sum[a:b] += self.window_text_sum(out[:, n:], layout, s, n)
         txt_sum = group.all_reduce_sum(txt_sum)
         divisor = torch.repeat_interleave(layout.windows_per_sample, torch.tensor(req.text_lens)).to(txt_sum)
         txt_out = txt_sum / divisor[:, None, None]
         p = f"blocks.{layer}.attn.proj_out"
         return (self.linear(vid_out.reshape(-1, cfg.dim), f"{p}.{vb}"),
                 self.linear(txt_out.reshape(-1, cfg.dim), f"{p}.{tb}"))
+
+    def window_text_sum(self, txt_out: torch.Tensor, layout: LocalLayout, sample: int,
+                        window_tokens: int) -> torch.Tensor:
+        """(G, L, h, d) text outputs of G windows of `window_tokens` video tokens each, all of `sample` -> their
+        sum: the numerator of upstream's plain (not token-weighted) mean over the sample's windows. A declared
+        seam: parity/families/seedvr2/faults.py plants a token-weighted sum here."""
+        return txt_out.sum(0)
 
     # ------------------------------------------------------------------ forward
     def block(self, vid, txt, emb, req: Request, layout: LocalLayout, layer: int, group: SPGroup, text_rows):

@@ -71,18 +71,13 @@ class WindowGeometry:
         return sum(1 for s, _ in self.boxes if s == sample)
 
 
-def build_geometry(grids: tuple[Grid, ...], num_windows: tuple[int, int, int], method: str,
-                   cyclic_shift: bool = False) -> WindowGeometry:
-    """`cyclic_shift` is a planted fault only (shifted windows as a torch.roll of the regular ones)."""
+def build_geometry(grids: tuple[Grid, ...], num_windows: tuple[int, int, int], method: str) -> WindowGeometry:
     boxes, tokens, ids, coords, extents, starts = [], [], [], [], [], []
     offset, start = 0, 0
     for s, (T, H, W) in enumerate(grids):
         kt, kh, kw = window_extent((T, H, W), num_windows)
-        use = "regular" if cyclic_shift else method
-        tc, hc, wc = axis_cuts(T, kt, use), axis_cuts(H, kh, use), axis_cuts(W, kw, use)
+        tc, hc, wc = axis_cuts(T, kt, method), axis_cuts(H, kh, method), axis_cuts(W, kw, method)
         canon = torch.arange(T * H * W).view(T, H, W)
-        if cyclic_shift and method == "shifted":
-            canon = torch.roll(canon, shifts=(kt // 2, kh // 2, kw // 2), dims=(0, 1, 2))
         for w_cut in wc:
             for h_cut in hc:
                 for t_cut in tc:
@@ -138,21 +133,19 @@ class PlanCache:
 
     def __init__(self, max_bytes: int = 256 << 20):
         self.store = CacheStore(max_bytes=max_bytes, name="seedvr2.window_plans")
-        self.ignore_world_size = False   # planted fault only
 
     def key(self, grids: tuple[Grid, ...], num_windows, method: str, world_size: int) -> CacheKey:
         return CacheKey(model_id="seedvr2", component_id="window_plan", weights_version="independent",
                         precision="independent", shape_signature=repr(grids),
                         layout_signature=f"{method}:{num_windows}:{fingerprint(grids, num_windows, method)}",
                         cache_contract_version=f"{GEOMETRY_VERSION}+{PLANNER_VERSION}",
-                        parallel_plan_hash="any" if self.ignore_world_size else f"sp={world_size}")
+                        parallel_plan_hash=f"sp={world_size}")
 
-    def get(self, grids: tuple[Grid, ...], num_windows, method: str, world_size: int,
-            cyclic_shift: bool = False) -> WindowPlan:
-        key = self.key(grids, num_windows, method + (":cyclic" if cyclic_shift else ""), world_size)
+    def get(self, grids: tuple[Grid, ...], num_windows, method: str, world_size: int) -> WindowPlan:
+        key = self.key(grids, num_windows, method, world_size)
         plan = self.store.get(key)
         if plan is None:
-            plan = make_plan(build_geometry(grids, num_windows, method, cyclic_shift), world_size)
+            plan = make_plan(build_geometry(grids, num_windows, method), world_size)
             self.store.put(key, plan, nbytes=tensor_nbytes(plan.layout.rank_rows) + tensor_nbytes(
                 [plan.geometry.token_ids, plan.geometry.local_coords, plan.geometry.extents]))
         return plan
