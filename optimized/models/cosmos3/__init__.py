@@ -82,7 +82,7 @@ PARALLELISM = Cosmos3Parallelism(   # attaches the gen-stream SP (parallelize.py
            "gen tokens are sharded by sequence (padded to a multiple of ulysses x ring, padded keys masked); the und "
            "(text) stream runs whole on every rank and its K/V are kept sharded by heads",
            "und K/V cache entries are per plan (sharded by KV head under ulysses / tp): the plan hash is in their key"),
-    cache_keys=lambda fast: ((fast, "und_cache_key"),))
+)   # no `cache_keys` override: Cosmos3Fast.und_cache_key reads the plan hash that parallelize.py sets
 
 
 def _processor(tokenizer_dir):

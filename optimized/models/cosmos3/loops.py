@@ -17,7 +17,7 @@ from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest
 from optimized.models.cosmos3.model import Cosmos3Fast
 from optimized.runtime.cache import CacheKey
-from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan, per_rank_share
 from optimized.solvers import sde as sde_solver
 from optimized.solvers import unipc
 from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
@@ -136,27 +136,62 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
         return out, keep, action_keep
 
     # ---- planning (pure)
+    def layout(self):
+        """The parallel plan attached to the model (`parallelize`), or None in one process."""
+        mesh = getattr(self.fast, "parallel_mesh", None)
+        return getattr(mesh, "plan", mesh)
+
+    def _gen_tokens(self, req: Cosmos3GenerateRequest) -> int:
+        """Gen-stream tokens of one sample (vision | sound | action), as packing.pack_layout lays them out."""
+        p = self.fast.cfg.patch_size
+        return req.latent_frames * math.ceil(req.latent_height / p) * math.ceil(req.latent_width / p) + \
+            req.sound_frames + (req.action.chunk_size if req.action else 0)
+
     def plan_step(self, s: DenoiseState) -> WorkPlan:
+        """Per rank under a plan (every rank plans the same steps): cfgp splits the CFG branches, ulysses x ring
+        the gen tokens (the und text stream runs whole on every rank; the last hidden state is gathered whole)."""
         cfg, req = self.fast.cfg, s.request
-        tokens = req.text_ids.numel() + req.latent_frames * math.ceil(req.latent_height / cfg.patch_size) * \
-            math.ceil(req.latent_width / cfg.patch_size) + req.sound_frames + (req.action.chunk_size if req.action else 0)
-        branches = 2 if req.uses_cfg else 1
+        texts = [req.text_ids.numel()] + ([req.negative_text_ids.numel()] if req.uses_cfg else [])
+        gen = self._gen_tokens(req)
+        tokens, branches = texts[0] + gen, len(texts)
+        lay = self.layout()
+        cfgp, sp = (lay.cfgp, lay.sp_ulysses * lay.sp_ring) if lay is not None else (1, 1)
+        rank_branches, rank_tokens = per_rank_share(branches, cfgp), texts[0] + per_rank_share(gen, sp)
         params_per_token = cfg.num_layers * (4 * cfg.hidden_size ** 2 + 3 * cfg.hidden_size * cfg.intermediate_size)
-        act_bytes = tokens * branches * cfg.hidden_size * 4 * 8
+        act_bytes = rank_tokens * rank_branches * cfg.hidden_size * 4 * 8
+        if sp > 1:
+            act_bytes += rank_branches * gen * cfg.hidden_size * 4   # the last hidden state, all-gathered whole
+        # the step body's shape bucket: padded text keys of each branch, padded gen rows, this request's rows on
+        # this rank (a batch's bucket is the max of its members' pads and the sum of their rows)
+        buckets = self.fast.buckets
+        gen_pad = buckets.pad("gen", gen)
+        bucket = f"text={'/'.join(str(buckets.pad('text', n)) for n in texts)};gen={gen_pad};rows={rank_branches}"
+        if sp > 1:
+            bucket += f";sp_rows={per_rank_share(gen_pad, sp)}"   # padded to a multiple of ulysses x ring, split
         return WorkPlan(
             request_id="", loop_id=self.loop_id, phase="denoise_step", step_index=s.step,
             batch_key=(id(self.fast), str(self.fast.dtype), str(self.fast.device), self.cfg_policy.name),
-            resources=ResourceRequest(device_bytes=act_bytes, cost_seconds=2 * tokens * branches * params_per_token / 5e10),
+            resources=ResourceRequest(device_bytes=act_bytes,
+                                      cost_seconds=2 * rank_tokens * rank_branches * params_per_token / 5e10),
             cache_reads=s.und_keys,
             shape_signature=f"tokens={tokens};branches={branches}",
+            parallel_plan_hash=lay.hash() if lay is not None else "single",
+            graph_bucket=bucket,
             info={"timestep": s.timesteps[s.step], "guidance": req.guidance_scale})
 
     def admission(self, s: DenoiseState) -> ResourceRequest:
+        """Held for the request's life, per rank: latents + solver history (whole on every rank: cfgp gathers the
+        predictions, SP the hidden state) and the text K/V of every branch (each rank may run every branch: whole
+        under cfgp) with only this rank's KV heads under ulysses (parallelize.py `shard_und`: the GQA replication
+        rule keeps max(K, u) / u heads)."""
         cfg = self.fast.cfg
         latent_bytes = sum(t.numel() * 4 for t in s.latents.values()) * 4  # latents + solver history
         texts = [s.request.text_ids] + ([s.request.negative_text_ids] if s.request.uses_cfg else [])
         elem = torch.finfo(self.fast.dtype).bits // 8
-        kv_bytes = sum(2 * cfg.num_layers * t.numel() * cfg.num_kv_heads * cfg.head_dim * elem for t in texts)
+        lay = self.layout()
+        u = lay.sp_ulysses if lay is not None else 1
+        kv_heads = max(cfg.num_kv_heads, u) // u
+        kv_bytes = sum(2 * cfg.num_layers * t.numel() * kv_heads * cfg.head_dim * elem for t in texts)
         return ResourceRequest(device_bytes=latent_bytes + kv_bytes)
 
     # ---- the step body

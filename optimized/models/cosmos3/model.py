@@ -134,6 +134,7 @@ class Cosmos3Fast:
         self.row_block = 1024 if self.device.type == "cpu" else 0  # row-local work in cache-resident row blocks
         self.last_step_info: dict[str, str] = {}
         self.sequence_parallel = None   # a GenSequenceParallel (parallelize.py) under ulysses x ring > 1
+        self.parallel_plan_hash = "single"   # the layout this instance runs (parallelize.py): in every und CacheKey
         self._geometries: OrderedDict[tuple, packing.BatchGeometry] = OrderedDict()
         self._text_kv_memo: OrderedDict[tuple, tuple] = OrderedDict()
 
@@ -188,6 +189,7 @@ class Cosmos3Fast:
             layout_signature=f"cfg={self._cfg_hash};mrope_cols={cols};device={self.device}",
             input_hashes={"text_ids": content_hash(text_ids)},
             cache_contract_version=UND_KV_CONTRACT_VERSION,
+            parallel_plan_hash=self.parallel_plan_hash,   # under ulysses the entry holds this rank's KV heads only
         )
 
     def clear_und_cache(self) -> int:

@@ -13,12 +13,12 @@ What is sharded, per gen layer (primitives of optimized/parallel/sp.py):
     (split when ulysses divides the KV heads, else each KV head replicated ulysses / kv times, the declared rule);
   * the und (text) stream runs whole on every rank (causal over a short prompt, then cached), and its cached K/V
     are kept sharded by heads exactly as the gen K/V are (`shard_und`: the same `kv_heads_for` + head group), so
-    text keys join each rank's attention with no exchange; cache entries carry the plan hash (ParallelismContract);
+    text keys join each rank's attention with no exchange; cache entries carry the plan hash (set here on the model);
   * ring: each rank attends to [text keys | its own gen keys] with log-sum-exp, then to every other ring rank's
     gen keys passed around the ring, merged exactly (`attention_lse` / `merge_lse`).
 
 The last hidden state is all-gathered back to the whole [B * N, D] stream, so decoding is the single-device code.
-The SP step body runs eager (no graph capture under SP yet).
+The SP step body runs eager (no graph capture under SP yet); under any plan the step body's GraphKeys name it.
 """
 
 from __future__ import annotations
@@ -36,13 +36,20 @@ from optimized.parallel.plan import ParallelismContract
 
 
 class Cosmos3Parallelism(ParallelismContract):
-    """The contract plus cosmos3's attach step: with ulysses x ring > 1 the gen stream runs sequence-parallel."""
+    """The contract plus cosmos3's attach step: every cache of the instance is keyed on the plan, and with
+    ulysses x ring > 1 the gen stream runs sequence-parallel. Applying another plan (a degree-1 one included)
+    re-keys and re-attaches, so nothing computed under one layout is served under another."""
 
     def __call__(self, instance: Any, mesh: Any) -> Any:
         instance = super().__call__(instance, mesh)
         plan = mesh.plan if hasattr(mesh, "plan") else mesh
-        if plan.sp_ulysses * plan.sp_ring > 1 and hasattr(mesh, "axis"):
-            instance.sequence_parallel = GenSequenceParallel(mesh, instance.cfg.num_kv_heads)
+        # the model reads its plan itself (no instance-level key override that a patch could delete): every und
+        # CacheKey and every GraphKey of the step body names the layout
+        instance.parallel_plan_hash = plan.hash()
+        instance.graph_cache.parallel_plan_hash = plan.hash()
+        sequence_parallel = plan.sp_ulysses * plan.sp_ring > 1 and hasattr(mesh, "axis")
+        instance.sequence_parallel = GenSequenceParallel(mesh, instance.cfg.num_kv_heads) if sequence_parallel \
+            else None
         return instance
 
 
