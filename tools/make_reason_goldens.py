@@ -95,12 +95,19 @@ SAMPLING_SETTINGS = (
     dict(row=0, temperature=0.6, top_k=8, top_p=0.7),    # all three, upstream's order
     dict(row=3, temperature=1.7, top_k=10, top_p=0.75),  # all three, temperature > 1
     dict(row=3, temperature=0.4, top_k=6, top_p=0.9),    # all three, temperature < 1
+    # the two top-p edges (`edge` names what the maker proves about the setting; the probe ignores it)
+    dict(row=4, temperature=0.7, top_k=0, top_p=0.7, edge="tie_at_cut"),    # cut inside the tie 9 = 20
+    dict(row=4, temperature=1.5, top_k=6, top_p=0.82, edge="tie_order"),    # cut inside the tie 3 = 15
+    dict(row=5, temperature=0.5, top_k=0, top_p=0.75, edge="exact_mass"),   # top_p = p(4) + p(17) exactly
 )
+LN2 = 0.6931471805599453
 
 
 def sampling_logits() -> torch.Tensor:
     """Rows: 0 and 3 random (std 2); 1 with ties (values 4, 3, 2, 2, 2 at the top, the k-th of k=3 and k=4 tied);
-    2 a slowly decaying ladder (temperature moves many tokens across a top-p cut)."""
+    2 a slowly decaying ladder (temperature moves many tokens across a top-p cut); 4 two tied pairs below the top
+    (2: 2.0, 9 = 20: 1.0, 3 = 15: 0.0, the rest ~ -3) for top-p cuts inside a tie; 5 dyadic (after temperature 0.5:
+    probabilities 1/2, 1/4, 1/8, 1/16, 1/16 at 4, 17, 10, 1, 22, exactly 0 elsewhere) for top_p on a mass."""
     g = torch.Generator().manual_seed(SAMPLING_SEED)
     r0 = 2.0 * torch.randn(V_SAMPLING, generator=g)
     tied = torch.randn(V_SAMPLING, generator=g) * 0.5 - 1.0
@@ -109,7 +116,11 @@ def sampling_logits() -> torch.Tensor:
     r1[torch.randperm(V_SAMPLING, generator=g)[:5]] = top  # the tied tokens spread over the vocabulary
     r2 = (3.0 - 0.35 * torch.arange(V_SAMPLING, dtype=torch.float32))[torch.randperm(V_SAMPLING, generator=g)]
     r3 = 2.0 * torch.randn(V_SAMPLING, generator=g)
-    return torch.stack([r0, r1, r2, r3]).contiguous()
+    r4 = torch.randn(V_SAMPLING, generator=g) * 0.5 - 3.0
+    r4[2], r4[[9, 20]], r4[[3, 15]] = 2.0, 1.0, 0.0
+    r5 = torch.full((V_SAMPLING,), -200.0)  # exp underflows to exactly 0 in fp32
+    r5[[4, 17, 10, 1, 22]] = torch.tensor([0.0, -0.5, -1.0, -1.5, -1.5]) * LN2  # / 0.5: -j ln2, exact halving
+    return torch.stack([r0, r1, r2, r3, r4, r5]).contiguous()
 
 
 def _support(x: torch.Tensor) -> frozenset:
@@ -133,6 +144,47 @@ def _alternatives(row: torch.Tensor, t: float, k: int, p: float) -> dict[str, fr
             x = TopKLogitsWarper(k)(ids, x)
         out["temperature_last"] = _support(TopPLogitsWarper(p)(ids, x)[0])
     return out
+
+
+def _old_top_p(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The repo's rule before these edges were pinned: descending stable sort of the probabilities, drop a token
+    whose preceding cumulative mass exceeds p."""
+    probs, order = torch.sort(x.softmax(-1), descending=True, stable=True)
+    return x.clone().index_fill(0, order[(probs.cumsum(-1) - probs) > p], float("-inf"))
+
+
+def _ascending_top_p(x: torch.Tensor, p: float, stable: bool, strict: bool) -> torch.Tensor:
+    """Upstream's arithmetic with one edge changed: a stable sort (ties in index order), or `<` at 1 - p."""
+    values, order = torch.sort(x, stable=stable)
+    cum = values.softmax(-1).cumsum(-1)
+    drop = cum < 1 - p if strict else cum <= 1 - p
+    drop[-1] = False
+    return x.index_fill(0, order[drop], float("-inf"))
+
+
+def _check_edge(i: int, edge: str, before: torch.Tensor, p: float, kept: frozenset) -> str:
+    """Prove a top-p edge setting sits on its edge and that upstream's result there differs from the rule it
+    replaces (and, per edge, from upstream's arithmetic with that one edge changed)."""
+    old = _support(_old_top_p(before, p))
+    values = before.sort().values
+    cum = values.softmax(-1).cumsum(-1)
+    if edge in ("tie_at_cut", "tie_order"):
+        cut_ties = [v for v in values.unique() if torch.isfinite(v) and 0 < sum(int(before[j] == v) for j in kept)
+                    < int((before == v).sum())]
+        assert cut_ties, f"setting {i}: the top-p cut is not inside a group of tied values"
+        stable = _support(_ascending_top_p(before, p, stable=True, strict=False))
+        if edge == "tie_at_cut":
+            assert old != kept, f"setting {i}: the old rule keeps upstream's tokens {sorted(kept)}"
+        else:
+            assert stable != kept, f"setting {i}: a stable ascending sort keeps upstream's tokens {sorted(kept)}"
+        return f"tie at the cut: upstream {sorted(kept)}, old rule {sorted(old)}, stable sort {sorted(stable)}"
+    assert edge == "exact_mass", edge
+    probs = before.softmax(-1)
+    assert set(probs[probs > 0].tolist()) <= {0.5, 0.25, 0.125, 0.0625}, f"setting {i}: not dyadic"
+    assert bool((cum == torch.tensor(1 - p, dtype=cum.dtype)).any()), f"setting {i}: 1 - top_p is no cumulative mass"
+    strict = _support(_ascending_top_p(before, p, stable=False, strict=True))
+    assert old != kept and strict != kept, f"setting {i}: the exact mass does not separate the rules"
+    return f"top_p on a mass: upstream {sorted(kept)}, old rule {sorted(old)}, `<` {sorted(strict)}"
 
 
 def _top_p_margin(scores_before_top_p: torch.Tensor, p: float) -> float:
@@ -180,9 +232,12 @@ def build_sampling_case(out: Path) -> None:
             assert alt != kept or (slip == "temperature_last" and s["temperature"] == 1.0), (i, slip)
         if s["top_p"] < 1:
             before = LogitsProcessorList(procs[:-1])(prompt, row[None].clone())[0]  # what TopPLogitsWarper receives
-            margin = _top_p_margin(before, s["top_p"])
-            assert margin > 1e-3, f"setting {i}: top_p {s['top_p']} within {margin:.1e} of a cumulative mass"
-            notes.append(f"s{i} top-p margin {margin:.3f}")
+            if s.get("edge"):
+                notes.append(f"s{i} {_check_edge(i, s['edge'], before, s['top_p'], kept)}")
+            if s.get("edge") != "exact_mass":
+                margin = _top_p_margin(before, s["top_p"])
+                assert margin > 1e-3, f"setting {i}: top_p {s['top_p']} within {margin:.1e} of a cumulative mass"
+                notes.append(f"s{i} top-p margin {margin:.3f}")
         probs.append(scores.softmax(-1))
         notes.append(f"s{i} keeps {len(kept)}")
     case = out / "reason_sampling_warpers"
@@ -198,7 +253,9 @@ def build_sampling_case(out: Path) -> None:
             "upstream_format": "logits_processors", "dtype": "float32", "seed": SAMPLING_SEED,
             "tolerance": {"rel_l2": 1e-6}, "params": {"settings": list(SAMPLING_SETTINGS)},
             "description": "the AR sampling filters against transformers' generate: temperature, top-k (ties at "
-                           "the k-th value), top-p, in upstream's order; probs = softmax of the processed scores"}
+                           "the k-th value), top-p, in upstream's order, and top-p's edges (a cut inside tied "
+                           "probabilities, top_p equal to a cumulative mass); probs = softmax of the processed "
+                           "scores"}
     (case / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {case}: {'; '.join(notes)}")
 

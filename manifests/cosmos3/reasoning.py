@@ -4,8 +4,13 @@ Sampling rule for one token, from fp32 logits over the vocabulary:
   temperature == 0  -> greedy: the first index of the maximum.
   otherwise         -> x = logits / temperature;
                        top_k > 0: entries below the k-th largest value become -inf (ties kept);
-                       top_p < 1: sort the softmax of x descending (stable), drop every entry whose
-                                  preceding cumulative mass already exceeds top_p (the top one always stays);
+                       top_p < 1: as transformers' TopPLogitsWarper: sort x ascending with torch.sort's
+                                  default (unstable) order, cumulative sum of the softmax of the sorted values,
+                                  drop every entry whose cumulative mass is <= 1 - top_p (compared in fp32), the
+                                  last of that order (a most likely token) always kept. Two edges follow (upstream):
+                                  among tokens tied at the cut the sort's order decides which survive (on CPU the
+                                  later index for rows of up to 16 entries, implementation-defined beyond), and a
+                                  top_p equal to the mass of the k most likely tokens keeps just those k;
                        draw one index with torch.multinomial(softmax(x), 1, generator), the request's own CPU
                        generator seeded once with `seed` (one draw per generated token).
 Decoding stops at `eos_token_id` (kept in the output) or after `max_new_tokens`.

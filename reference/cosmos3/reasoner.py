@@ -41,10 +41,14 @@ def choose_token(logits: torch.Tensor, req: ReasonRequest, generator: torch.Gene
         kth = torch.topk(x, min(req.top_k, x.numel())).values[-1]
         x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
     if req.top_p < 1:
-        probs, order = torch.sort(torch.softmax(x, dim=-1), descending=True, stable=True)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # ascending, in torch.sort's default (unstable) tie order: it picks which tied token survives a cut (upstream)
+        ascending, order = torch.sort(x, descending=False)
+        cumulative = torch.cumsum(torch.softmax(ascending, dim=-1), dim=-1)
+        # a mass of exactly 1 - top_p counts as below: top_p equal to a cumulative mass drops the next token (upstream)
+        below = cumulative <= 1 - req.top_p
+        below[-1] = False  # the last in that order (a most likely token) always survives
         x = x.clone()
-        x[order[mass_before > req.top_p]] = float("-inf")  # the most likely token always survives
+        x[order[below]] = float("-inf")
     return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator))
 
 

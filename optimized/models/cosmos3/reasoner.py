@@ -64,9 +64,10 @@ def choose_token(logits: torch.Tensor, req: ReasonRequest, generator: torch.Gene
         threshold = x.topk(min(req.top_k, x.numel())).values[-1]
         x = x.masked_fill(x < threshold, float("-inf"))
     if req.top_p < 1:
-        p, idx = x.softmax(-1).sort(descending=True, stable=True)
-        drop = idx[(p.cumsum(-1) - p) > req.top_p]
-        x = x.index_fill(0, drop, float("-inf"))
+        v, idx = x.sort()  # ascending, default (unstable) tie order decides which tied token a cut keeps (upstream)
+        cut = v.softmax(-1).cumsum(-1) <= 1 - req.top_p  # equality drops: top_p on a cumulative mass (upstream)
+        cut[-1] = False
+        x = x.index_fill(0, idx[cut], float("-inf"))
     return int(torch.multinomial(x.softmax(-1), 1, generator=generator))
 
 
@@ -155,6 +156,7 @@ class ARDecodeLoop(LoopKernel[ARState]):
                         batch_key=(id(self.fast), "ar_prefill" if prefill else "ar_token"),
                         resources=ResourceRequest(device_bytes=self._step_bytes(n), cost_seconds=flops / 5e10),
                         shape_signature=f"tokens={n}" if prefill else f"ctx={len(s.tokens)}",
+                        parallel_plan_hash=self.fast.parallel_plan_hash,   # AR runs whole on every rank
                         info={"position": len(s.tokens) - 1})
 
     # ---- steps
@@ -243,4 +245,6 @@ class ARDecodeLoop(LoopKernel[ARState]):
         extra = self.pool.k_extra is not None
         ks = [self.pool.read(li, s.blocks, n, extra=extra) for li in layers]
         kv = UndKV(torch.stack([k for k, _ in ks]).clone(), torch.stack([v for _, v in ks]).clone())
+        if self.fast.sequence_parallel is not None:   # stored as the generator reads it: this rank's head group
+            kv = self.fast.sequence_parallel.shard_und(kv)
         return self.fast.und_cache.put(self.fast.und_cache_key(text_ids), kv)
