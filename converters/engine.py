@@ -513,7 +513,7 @@ def plan_conversion(family: Family, manifest: CheckpointManifest, cfg: Any, info
                                           f"along dim {d}")
                 kw["dim"] = d
                 kw["offset"] = sum(w[d] for w in wants[:extra["index"]])
-        if t in fp32 or manifest.dtype_policy.keeps_fp32(t):
+        if t in fp32:   # the canonical model's fp32 keys (family fp32_keys), whatever the target dtype
             out = "float32"
         elif dtype is not None:
             out = dtype

@@ -262,7 +262,7 @@ def _wan_transformer() -> Family:  # the Wan DiT (diffusers WanTransformer3DMode
 
     return Family(name="wan", checkpoints_dir=Path(wc.__file__).parent / "checkpoints",
                   config_from_dict=dit.WanDiTConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
-                  key_shapes=dit.dit_key_shapes, fp32_keys=lambda cfg: [],
+                  key_shapes=dit.dit_key_shapes, fp32_keys=dit.dit_fp32_keys,
                   load_variant=_wan_model_variant(lambda m: m.dit), list_variants=_wan_model_variants,
                   config_mappings={"wan_dit_config": wan_dit_from_config},
                   layer_key=re.compile(r"^blocks\.(\d+)\."), num_layers_field="num_layers", component="transformer")

@@ -46,8 +46,10 @@ A manifest is a JSON file `manifests/<family>/checkpoints/<format>.json` (one pe
                        "text_encoder", "vae"); default: the family's first component (converters/families.py)
     fills              optional list of the family's canonical parts this format fills (default: all);
                        a format filling fewer makes a *partial* canonical checkpoint (parts recorded in OUT)
-    dtype_policy       {"default": "source", "keep_fp32": [regex on canonical keys],
-                        "allowed_source_dtypes": ["float32", ...], "note"?}
+    dtype_policy       {"default": "source", "allowed_source_dtypes": ["float32", ...], "note"?}
+                       which canonical tensors stay float32 whatever the target dtype is not a format's business:
+                       it is the canonical model's, the family's `fp32_keys(cfg)` (converters/families.py); a
+                       manifest that still carries "keep_fp32" is refused
     parity             {"level": "C0", "post_check": "<entry point name>", "required": bool,
                         "unfilled_parts"?: "placeholders", "note"?}: the parity check a conversion must pass;
                        "placeholders" runs the family post-check on a temporary copy completed with seeded
@@ -300,17 +302,13 @@ class ExpectedFile:
 
 @dataclass(frozen=True)
 class DtypePolicy:
+    """Output and accepted source dtypes of one format. Which tensors stay float32 is the family's `fp32_keys`."""
     default: str = "source"
-    keep_fp32: tuple[str, ...] = ()
     allowed_source_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
     note: str | None = None
 
-    def keeps_fp32(self, canonical_key: str) -> bool:
-        return any(re.search(p, canonical_key) for p in self.keep_fp32)
-
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"default": self.default, "keep_fp32": list(self.keep_fp32),
-                             "allowed_source_dtypes": list(self.allowed_source_dtypes)}
+        d: dict[str, Any] = {"default": self.default, "allowed_source_dtypes": list(self.allowed_source_dtypes)}
         if self.note is not None:
             d["note"] = self.note
         return d
@@ -520,11 +518,6 @@ class CheckpointManifest:
              f"dtype_policy.default must be 'source' or one of {DTYPE_NAMES}, got {p.default!r}")
         for d in p.allowed_source_dtypes:
             need(d in DTYPE_NAMES, f"dtype_policy.allowed_source_dtypes: unknown dtype {d!r}")
-        for pat in p.keep_fp32:
-            try:
-                re.compile(pat)
-            except (re.error, TypeError) as e:
-                need(False, f"dtype_policy.keep_fp32: regex {pat!r} does not compile ({e})")
         q = self.parity
         need(q.level in PARITY_LEVELS, f"parity.level must be one of {PARITY_LEVELS}, got {q.level!r}")
         need(isinstance(q.required, bool), f"parity.required must be true or false, got {q.required!r}")
@@ -622,9 +615,15 @@ class CheckpointManifest:
             except ValueError as e:
                 raise ConversionError(f"{where}: rules[{i}]: {e}") from None
         p = d["dtype_policy"]
-        if not isinstance(p, dict) or set(p) - {"default", "keep_fp32", "allowed_source_dtypes", "note"}:
-            raise ConversionError(f"{where}: dtype_policy must hold only default, keep_fp32, allowed_source_dtypes, note")
-        policy = DtypePolicy(default=p.get("default", "source"), keep_fp32=tuple(p.get("keep_fp32", ())),
+        if isinstance(p, dict) and "keep_fp32" in p:
+            raise ConversionError(f"{where}: dtype_policy.keep_fp32 is no longer read: which canonical tensors stay "
+                                  f"float32 is a property of the canonical model, not of a source format, and lives "
+                                  f"in the family's fp32_keys(cfg) (converters/families.py: cosmos3 "
+                                  f"manifests/cosmos3/keys.py fp32_keys, seedvr2 manifests/seedvr2/keys.py "
+                                  f"nadit_fp32_keys, wan DiT manifests/wan/dit.py dit_fp32_keys); remove the field")
+        if not isinstance(p, dict) or set(p) - {"default", "allowed_source_dtypes", "note"}:
+            raise ConversionError(f"{where}: dtype_policy must hold only default, allowed_source_dtypes, note")
+        policy = DtypePolicy(default=p.get("default", "source"),
                              allowed_source_dtypes=tuple(p.get("allowed_source_dtypes", DtypePolicy.allowed_source_dtypes)),
                              note=p.get("note"))
         q = d.get("parity", {})

@@ -6,6 +6,7 @@ below, independent of the manifest's regexes), with random tensors of the canoni
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from converters import (ConversionError, convert, convert_diffusers_dir_to_canonical_state_dict, load_canonical,
-                        load_manifest)
+from converters import (ConversionError, convert, convert_diffusers_dir_to_canonical_state_dict, convert_to_state_dict,
+                        load_canonical, load_manifest)
 from converters.cli import main
 from converters.engine import plan_conversion
 from converters.families import get_family
@@ -178,6 +179,7 @@ def _manifest_dict() -> dict:
     (lambda d: d.__setitem__("extra", 1), "unknown fields"),
     (lambda d: d["files"]["weights"].append({"kind": "gguf", "path": "x.gguf"}), "kind 'gguf' unknown"),
     (lambda d: d["dtype_policy"].__setitem__("default", "int8"), "dtype_policy.default"),
+    (lambda d: d["dtype_policy"].__setitem__("keep_fp32", ["^time_embed\\."]), "manifests/cosmos3/keys.py fp32_keys"),
     (lambda d: d.__setitem__("conversion_version", 0), "conversion_version"),
 ])
 def test_bad_manifests_are_refused(breakage, needle):
@@ -325,6 +327,30 @@ def test_dtype_policy(tmp_path):
     with pytest.raises(ConversionError, match="unsupported output dtype"):
         convert("cosmos3", "diffusers", src, tmp_path / "out8", dtype="int8")
     assert_nothing_left(tmp_path / "out8")
+
+
+def test_fp32_keys_are_the_familys_only(tmp_path, capsys, monkeypatch):
+    """Which tensors stay float32 is stated once, by the family (the canonical model), for every format: an
+    empty family rule sends the time embedder to bf16, and a manifest may no longer state (or contradict) it."""
+    from converters import families
+
+    src, canon = make_diffusers_ckpt(tmp_path / "src", "tiny")
+    fam = get_family("cosmos3")
+    monkeypatch.setitem(families._CACHE, ("cosmos3", "transformer"),
+                        dataclasses.replace(fam, fp32_keys=lambda cfg: []))
+    _, sd = convert_to_state_dict("cosmos3", "diffusers", src, dtype="bf16")
+    assert all(v.dtype == torch.bfloat16 for v in sd.values())
+    monkeypatch.undo()
+    _, sd = convert_to_state_dict("cosmos3", "diffusers", src, dtype="bf16")
+    assert sorted(k for k, v in sd.items() if v.dtype == torch.float32) == sorted(fam.fp32_keys(load_variant("tiny")))
+    d = _manifest_dict()
+    d["dtype_policy"]["keep_fp32"] = []
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    rc = main(["cosmos3", "--from", str(tmp_path / "old.json"), str(src), str(tmp_path / "out"), "--skip-parity"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("fvconvert: error:")]
+    assert rc == 2 and len(lines) == 1 and "keep_fp32 is no longer read" in lines[0], lines
+    assert "fp32_keys(cfg)" in lines[0] and "manifests/cosmos3/keys.py" in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_float16_overflow_is_refused(tmp_path):

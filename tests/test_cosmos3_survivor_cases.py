@@ -101,38 +101,43 @@ def test_sampling_golden_is_what_transformers_generate_applies(tmp_path):
 
 
 @contextlib.contextmanager
-def _no_fp32_keys():
-    """The cosmos3 converter family with an empty fp32 key list (the family-level safety net removed)."""
+def _fp32_keys(rule):
+    """The cosmos3 converter family with another fp32 key rule (the family's fp32_keys is the only statement of
+    which tensors stay float32: the catalogue's conv-keep-fp32-dropped empties it)."""
     from converters import families
 
     families.get_family("cosmos3")  # built and cached: the converters read this cached entry
     key = next(k for k in families._CACHE if k[0] == "cosmos3")
     real = families._CACHE[key]
-    families._CACHE[key] = replace(real, fp32_keys=lambda cfg: [])
+    families._CACHE[key] = replace(real, fp32_keys=rule)
     try:
         yield
     finally:
         families._CACHE[key] = real
 
 
-def test_convert_dtypes_golden(monkeypatch):
-    from converters.manifest import DtypePolicy
+def test_convert_dtypes_golden(tmp_path):
+    from converters import ConversionError, convert_to_state_dict
+    from manifests.cosmos3.keys import canonical_key_shapes
     from parity.families.cosmos3.c0 import golden_convert_dtypes_probe
 
     case = load_case(GOLDEN / "conv_bf16_keep_fp32")
     assert not _failed(run_probe(golden_convert_dtypes_probe, case, ("reference", "optimized")))
-    # the manifest's keep_fp32 regex alone dropped: the family's fp32_keys still keeps time_embed.* in fp32, so the
-    # conversion is unchanged (the catalogued conv-keep-fp32-dropped mutation is equivalent today)
-    with monkeypatch.context() as m:
-        m.setattr(DtypePolicy, "keeps_fp32", lambda self, key: False)
-        assert not _failed(run_probe(golden_convert_dtypes_probe, case, ("reference", "optimized")))
-        with _no_fp32_keys():  # both dropped: the time embedder goes to bf16, upstream keeps it fp32
-            checks = run_probe(golden_convert_dtypes_probe, case, ("reference", "optimized"))
+    with _fp32_keys(lambda cfg: []):  # dropped: the time embedder goes to bf16, upstream keeps it fp32
+        checks = run_probe(golden_convert_dtypes_probe, case, ("reference", "optimized"))
     assert _failed(checks) == ["conv_bf16_keep_fp32/converter:bf16_dtypes"]
     assert "time_embed.linear_1.weight bfloat16 (upstream float32)" in checks[0].detail
-    with _no_fp32_keys(), monkeypatch.context() as m:  # keeping too much in fp32 is caught too
-        m.setattr(DtypePolicy, "keeps_fp32", lambda self, key: key.startswith(("time_embed.", "embed_tokens.")))
+    def too_much(cfg):  # keeping too much in fp32 is caught too
+        return [k for k in canonical_key_shapes(cfg) if k.startswith(("time_embed.", "embed_tokens."))]
+
+    with _fp32_keys(too_much):
         assert _failed(run_probe(golden_convert_dtypes_probe, case, ("reference", "optimized")))
+    # a format manifest can no longer restate (or contradict) the rule: one still carrying keep_fp32 is refused
+    d = json.loads((Path(__file__).resolve().parents[1] / "manifests/cosmos3/checkpoints/diffusers.json").read_text())
+    d["dtype_policy"]["keep_fp32"] = ["^time_embed\\."]
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    with pytest.raises(ConversionError, match="keep_fp32 is no longer read.*manifests/cosmos3/keys.py fp32_keys"):
+        convert_to_state_dict("cosmos3", str(tmp_path / "old.json"), case.path / "upstream", dtype="bfloat16")
 
 
 # ------------------------------------------------------------------------------------------------

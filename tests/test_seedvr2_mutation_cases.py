@@ -91,17 +91,31 @@ def test_passive_text_is_compared_at_c0_and_against_upstream(monkeypatch):
     assert failed == ["nadit/optimized:3b/block_3_txt_0", "nadit/optimized:3b/block_3_txt_1"]
 
 
-def test_bf16_conversion_keeps_upstream_fp32_tensors(tmp_path):
+def test_bf16_conversion_keeps_upstream_fp32_tensors(tmp_path, monkeypatch):
+    from converters import families
+    from manifests.seedvr2 import keys
+    from parity.errors import UpstreamConversionFailed
+
     case = load_case(GOLDEN / "nadit")
     spec = case.meta["params"]["models"]["3b"]
     assert bf16_conversion_check(case, "3b", spec).passed
+    # the catalogue's conv-keep-fp32-dropped: the family's nadit_fp32_keys (the one statement of the rule, read by
+    # fvconvert and by the check's loader list) without the rope suffix; the check's own upstream rule catches it
+    real = keys.nadit_fp32_keys
+    no_rope = lambda cfg: [k for k in real(cfg) if not k.endswith(keys.CANONICAL_ROPE_SUFFIX)]  # noqa: E731
+    monkeypatch.setattr(keys, "nadit_fp32_keys", no_rope)
+    monkeypatch.setitem(families._CACHE, ("seedvr2", "transformer"),
+                        dataclasses.replace(families.get_family("seedvr2"), fp32_keys=no_rope))
+    dropped = bf16_conversion_check(case, "3b", spec)
+    assert not dropped.passed and ".attn.rope.freqs: bfloat16 (want float32)" in dropped.detail
+    monkeypatch.undo()
+    # a manifest that still states the rule itself is refused, naming where the rule lives now
     manifest = json.loads((ROOT / "manifests/seedvr2/checkpoints/official_pth.json").read_text())
     manifest["dtype_policy"]["keep_fp32"] = []
     (tmp_path / "m.json").write_text(json.dumps(manifest))
-    dropped = dataclasses.replace(case, meta={**case.meta, "upstream_format": str(tmp_path / "m.json")})
-    # the catalogue's conv-keep-fp32-dropped alone is an equivalent mutant: the converter keeps fp32 the union of
-    # the manifest's list and the family's fp32 keys (manifests/seedvr2/keys.py), so the output is unchanged
-    assert bf16_conversion_check(dropped, "3b", spec).passed
+    old = dataclasses.replace(case, meta={**case.meta, "upstream_format": str(tmp_path / "m.json")})
+    with pytest.raises(UpstreamConversionFailed, match="keep_fp32 is no longer read.*nadit_fp32_keys"):
+        bf16_conversion_check(old, "3b", spec)
     cfg, state = _golden_weights(case, spec["weights"], spec["variant"], dtype="bfloat16")
     assert bf16_dtype_errors(cfg, state)[0] == []
     rope = next(k for k in state if k.endswith(".attn.rope.freqs"))

@@ -166,6 +166,18 @@ def dit_key_shapes(cfg: WanDiTConfig) -> Shapes:
     return s
 
 
+# (upstream) diffusers 0.42.1 WanTransformer3DModel._keep_in_fp32_modules: from_pretrained(torch_dtype=bf16 / fp16)
+# keeps a floating tensor fp32 when one of these names is a dot-separated component of its key
+# (model_loading_utils: `m in param_name.split(".")`), e.g. blocks.{i}.norm2.* and image_embedder.norm1/norm2.*
+DIT_FP32_MODULES = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+def dit_fp32_keys(cfg: WanDiTConfig) -> list[str]:
+    """The DiT keys that stay float32 whatever the run or conversion dtype (the one statement of this rule: the
+    converter and the optimized loader both read it)."""
+    return [k for k in dit_key_shapes(cfg) if any(m in k.split(".") for m in DIT_FP32_MODULES)]
+
+
 @dataclass(frozen=True)
 class UMT5Config:
     """transformers `UMT5Config` fields that the encoder uses (gated-gelu FFN, per-layer relative bias)."""

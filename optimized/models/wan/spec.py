@@ -14,7 +14,7 @@ Declared load-time transforms:
 from __future__ import annotations
 
 from manifests.wan import WanVAEConfig, canonical_key_shapes
-from manifests.wan.dit import UMT5Config, WanDiTConfig, dit_key_shapes, umt5_key_shapes
+from manifests.wan.dit import UMT5Config, WanDiTConfig, dit_fp32_keys, dit_key_shapes, umt5_key_shapes
 
 from optimized.runtime.spec import CacheContract, ComponentSpec, LoadTransform, ModelSpec
 
@@ -46,9 +46,7 @@ TEXT_ENCODER = "text_encoder"
 TEXT_EMBED_CACHE = "wan.text_embeds"
 TEXT_EMBED_CONTRACT_VERSION = "wan.text_embeds.v1"
 
-# (upstream) diffusers WanTransformer3DModel._keep_in_fp32_modules; a parameter stays fp32 when one of these names is
-# a dot-separated component of its key (diffusers model_loading_utils: `m in param_name.split(".")`).
-DIT_KEEP_FP32_MODULES = ("rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+# The DiT's fp32 keys are the canonical model's (manifests/wan/dit.py dit_fp32_keys, which fvconvert reads too).
 # (upstream) transformers UMT5PreTrainedModel._keep_in_fp32_modules (the FFN output projection).
 UMT5_KEEP_FP32_MODULES = ("wo",)
 
@@ -57,12 +55,9 @@ def _keep_fp32(key: str, modules: tuple[str, ...]) -> bool:
     return any(m in key.split(".") for m in modules)
 
 
-def dit_fp32_keys(cfg: WanDiTConfig) -> tuple[str, ...]:
-    return tuple(k for k in dit_key_shapes(cfg) if _keep_fp32(k, DIT_KEEP_FP32_MODULES))
-
-
 def _dit_transforms(cfg: WanDiTConfig) -> tuple[LoadTransform, ...]:
     shapes = dit_key_shapes(cfg)
+    fp32 = set(dit_fp32_keys(cfg))
     fused: set[str] = set()
     out: list[LoadTransform] = []
     for i in range(cfg.num_layers):
@@ -79,7 +74,7 @@ def _dit_transforms(cfg: WanDiTConfig) -> tuple[LoadTransform, ...]:
     for k in shapes:
         if k in fused:
             continue
-        if _keep_fp32(k, DIT_KEEP_FP32_MODULES):
+        if k in fp32:
             out.append(LoadTransform(f"keep_fp32.{k}", (k,), k, "cast", dtype="float32"))
         else:
             out.append(LoadTransform(f"cast.{k}", (k,), k, "cast"))
