@@ -142,7 +142,8 @@ def _wan_vae() -> ComponentLayout:
 
 def _wan_transformer() -> ComponentLayout:
     from manifests.wan import dit
-    return ComponentLayout("wan", "transformer", _no_description(dit.WanDiTConfig.from_dict), dit.dit_key_shapes)
+    return ComponentLayout("wan", "transformer", _no_description(dit.WanDiTConfig.from_dict), dit.dit_key_shapes,
+                           dit.dit_fp32_keys)
 
 
 def _cosmos3_sound() -> ComponentLayout:

@@ -9,7 +9,7 @@ duplicate.
 from __future__ import annotations
 
 from manifests.seedvr2.config import NaDiTConfig, VAEConfig
-from manifests.seedvr2.keys import nadit_key_shapes, vae_key_shapes
+from manifests.seedvr2.keys import nadit_fp32_keys, nadit_key_shapes, vae_key_shapes
 from optimized.parallel.group import ParallelPlan
 from optimized.runtime.spec import ComponentSpec, LoadTransform, ModelSpec
 
@@ -19,14 +19,10 @@ REJECTED_SP_MODES = {"ulysses": "head-sharded Ulysses", "ring": "ring attention"
                      "advanced_uaa": "advanced_uaa", "ulysses_a2a_permute": "ulysses_a2a_permute"}
 
 
-def _fp32(key: str) -> bool:
-    return key.endswith(".attn.rope.freqs") or key.startswith("emb_in.")
-
-
 def nadit_component(cfg: NaDiTConfig) -> ComponentSpec:
-    shapes = nadit_key_shapes(cfg)
+    shapes, fp32 = nadit_key_shapes(cfg), set(nadit_fp32_keys(cfg))   # one fp32 rule: manifests/seedvr2/keys.py
     return ComponentSpec("dit", "nadit_window_transformer", tuple(shapes.items()), tuple(
-        LoadTransform(f"cast.{k}", (k,), k, "cast", dtype="float32" if _fp32(k) else None) for k in shapes)).validate()
+        LoadTransform(f"cast.{k}", (k,), k, "cast", dtype="float32" if k in fp32 else None) for k in shapes)).validate()
 
 
 def vae_component(cfg: VAEConfig) -> ComponentSpec:
