@@ -32,6 +32,8 @@ def _denoise(fast: Cosmos3Fast, opts: LoopOptions):
 
 
 def _reasoning(fast: Cosmos3Fast, opts: LoopOptions):
+    if fast.tp is not None:   # its KV pool and o_proj assume every head on this rank (tp.py covers the denoise loop)
+        raise NotImplementedError("cosmos3's AR decode (reasoning) loop is not tensor-parallel: run it with tp = 1")
     from optimized.models.cosmos3.reasoner import ARDecodeLoop
     return ARDecodeLoop(fast, opts.kv_blocks, opts.kv_block_size)
 
@@ -71,9 +73,15 @@ def _extent(request) -> RequestExtent | None:
     return None
 
 
+def _load_sharded(path, mesh, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Cosmos3Fast:
+    """This tp rank's Cosmos3Fast read from a canonical checkpoint as slices only (tp.py)."""
+    from optimized.models.cosmos3.tp import load_sharded
+    return load_sharded(path, mesh, device, dtype)
+
+
 PARALLELISM = Cosmos3Parallelism(   # attaches the gen-stream SP (parallelize.py) under ulysses x ring > 1
     family="cosmos3", axes=("dp", "cfgp", "sp_ulysses", "sp_ring", "tp"),
-    implemented=("cfgp", "sp_ulysses", "sp_ring"),
+    implemented=("cfgp", "sp_ulysses", "sp_ring", "tp"),
     shapes=lambda cfg: ModelShapes(
         tuple(AttentionShape(p, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) for p in ("und", "gen")),
         (cfg.intermediate_size,), cfg.hidden_size),
@@ -81,7 +89,11 @@ PARALLELISM = Cosmos3Parallelism(   # attaches the gen-stream SP (parallelize.py
     notes=("the und (text) and gen pathways share one head layout: both are split by the same ulysses x tp",
            "gen tokens are sharded by sequence (padded to a multiple of ulysses x ring, padded keys masked); the und "
            "(text) stream runs whole on every rank and its K/V are kept sharded by heads",
-           "und K/V cache entries are per plan (sharded by KV head under ulysses / tp): the plan hash is in their key"),
+           "und K/V cache entries are per plan (sharded by KV head under ulysses / tp): the plan hash is in their key",
+           "tp: q / k / v by heads (KV heads replicated when tp exceeds them), o_proj and down_proj row-parallel, "
+           "MLP gate / up column-parallel, in both pathways (optimized/models/cosmos3/tp.py); the AR decode loop "
+           "(reasoning) is not tensor-parallel"),
+    load_sharded=_load_sharded,
 )   # no `cache_keys` override: Cosmos3Fast.und_cache_key reads the plan hash that parallelize.py sets
 
 

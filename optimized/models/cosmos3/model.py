@@ -35,6 +35,7 @@ from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 
 from optimized.attention import attend, check_backend, key_padding_mask
 from optimized.models.cosmos3 import ops, packing
+from optimized.parallel.tp import row_parallel
 from optimized.models.cosmos3.spec import (
     MODEL_ID, TRANSFORMER, UND_KV_CONTRACT_VERSION, cosmos3_model_spec,
 )
@@ -112,13 +113,18 @@ class Cosmos3Fast:
     def __init__(self, cfg: Cosmos3Config, state_dict: dict[str, torch.Tensor], *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  weights_version: str | None = None, und_cache: CacheStore | None = None,
-                 und_cache_bytes: int = 1 << 30, use_und_cache: bool = True) -> None:
+                 und_cache_bytes: int = 1 << 30, use_und_cache: bool = True, tp=None) -> None:
+        """`tp` (an AxisGroup of degree > 1): `state_dict` is this rank's tensor-parallel shard (tp.py
+        read_sharded_state), validated against the shard shapes."""
         self.cfg = cfg.validate()
         self.device = torch.device(device)
         self.dtype = dtype
         self.spec = cosmos3_model_spec(cfg)
-        self.params = apply_load_transforms(self.spec.component(TRANSFORMER), state_dict, dtype=dtype,
-                                            device=self.device)
+        component = self.spec.component(TRANSFORMER)
+        if tp is not None and tp.world_size > 1:
+            from optimized.models.cosmos3.tp import sharded_component
+            component = sharded_component(component, cfg, tp)
+        self.params = apply_load_transforms(component, state_dict, dtype=dtype, device=self.device)
         self.weights_version = weights_version or state_dict_hash(state_dict)
         self.und_cache = und_cache if und_cache is not None else CacheStore(und_cache_bytes, name="cosmos3.und_kv")
         self.use_und_cache = use_und_cache
@@ -134,6 +140,11 @@ class Cosmos3Fast:
         self.row_block = 1024 if self.device.type == "cpu" else 0  # row-local work in cache-resident row blocks
         self.last_step_info: dict[str, str] = {}
         self.sequence_parallel = None   # a GenSequenceParallel (parallelize.py) under ulysses x ring > 1
+        self.tp = None                  # the tp AxisGroup under tp > 1 (tp.py): this rank holds heads / tp
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads   # this rank's (tp.py shards them)
+        if tp is not None and tp.world_size > 1:
+            from optimized.models.cosmos3.tp import set_tp_layout
+            set_tp_layout(self, tp)
         self.parallel_plan_hash = "single"   # the layout this instance runs (parallelize.py): in every und CacheKey
         self._geometries: OrderedDict[tuple, packing.BatchGeometry] = OrderedDict()
         self._text_kv_memo: OrderedDict[tuple, tuple] = OrderedDict()
@@ -158,11 +169,17 @@ class Cosmos3Fast:
         fn = ops.mlp_relu2 if self.cfg.hidden_act == "relu2" else ops.mlp_silu
         rows = self.row_block
         if rows and x.shape[0] > rows:  # row blocks keep the [rows, I] intermediate cache-resident (rows independent)
-            return torch.cat([fn(self._norm(c, w.mlp_norm), w.mlp_in, w.mlp_down) for c in x.split(rows)])
-        return fn(self._norm(x, w.mlp_norm), w.mlp_in, w.mlp_down)
+            y = torch.cat([fn(self._norm(c, w.mlp_norm), w.mlp_in, w.mlp_down) for c in x.split(rows)])
+        else:
+            y = fn(self._norm(x, w.mlp_norm), w.mlp_in, w.mlp_down)
+        return y if self.tp is None else self.tp.all_reduce_sum(y)   # down_proj row-parallel: partial sums
+
+    def _out_proj(self, o: torch.Tensor, w: PathWeights) -> torch.Tensor:
+        """o_proj: row-parallel under tp (partial products all-reduced, the bias added once)."""
+        return F.linear(o, w.o_w, w.o_b) if self.tp is None else row_parallel(o, w.o_w, w.o_b, self.tp)
 
     def _qkv(self, x: torch.Tensor, w: PathWeights):
-        H, K, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        H, K, d = self.num_heads, self.num_kv_heads, self.cfg.head_dim
         q, k, v = F.linear(self._norm(x, w.attn_norm), w.qkv_w, w.qkv_b).split([H * d, K * d, K * d], dim=-1)
         return q.view(-1, H, d), k.view(-1, K, d), v.view(-1, K, d)
 
@@ -209,7 +226,7 @@ class Cosmos3Fast:
         pad = lambda t: t[rag.pad_index].view(B, Lm, t.shape[1], -1).transpose(1, 2)  # noqa: E731
         o = attend(pad(q), pad(k), pad(v), key_mask=rag.key_mask, causal=True, backend=self.attention)
         o = o.transpose(1, 2).reshape(B * Lm, -1)[rag.unpad_index]
-        x = x + F.linear(o, w.o_w, w.o_b)
+        x = x + self._out_proj(o, w)
         return x + self._mlp(x, w), k, k4g, v
 
     def und_pass(self, texts: list[torch.Tensor], axis: torch.Tensor, want_trace: bool = False):
@@ -370,8 +387,7 @@ class Cosmos3Fast:
         """One gen layer over the padded gen stream x [B*N, D]; sample b attends, non-causally, to its text keys
         tk/tv[b] [T, K, d] and its own gen tokens (pad keys masked by `key_mask`). One attention call per layer.
         `attention(q, k, v, tk, tv)` on [B, N, heads, d] replaces it under sequence parallelism (parallelize.py)."""
-        cfg = self.cfg
-        H, K, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        H, K, d = self.num_heads, self.num_kv_heads, self.cfg.head_dim
         B = tk.shape[0]
         N = x.shape[0] // B
         blocks = self._row_blocks(x.shape[0])
@@ -399,7 +415,7 @@ class Cosmos3Fast:
         return ops.apply_rope(self._norm(q, w.q_norm), cos, sin), ops.apply_rope(self._norm(k, w.k_norm), cos, sin), v
 
     def _gen_out(self, x: torch.Tensor, o: torch.Tensor, w: PathWeights) -> torch.Tensor:
-        x = x + F.linear(o, w.o_w, w.o_b)
+        x = x + self._out_proj(o, w)
         return x + self._mlp(x, w)
 
     def gen_body(self, G: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tensor, key_mask: torch.Tensor,

@@ -31,6 +31,7 @@ import torch
 
 from optimized.attention import attend
 from optimized.models.cosmos3.model import UndKV
+from optimized.models.cosmos3.tp import attach_tp
 from optimized.parallel import sp
 from optimized.parallel.plan import ParallelismContract
 
@@ -39,6 +40,16 @@ class Cosmos3Parallelism(ParallelismContract):
     """The contract plus cosmos3's attach step: every cache of the instance is keyed on the plan, and with
     ulysses x ring > 1 the gen stream runs sequence-parallel. Applying another plan (a degree-1 one included)
     re-keys and re-attaches, so nothing computed under one layout is served under another."""
+
+    def check(self, plan: Any, cfg: Any = None, world_size: int | None = None,
+              require_implemented: bool = True) -> list[str]:
+        """The contract's rules plus tp's own KV rule: tp shards the KV heads first (tp.py kv_head_span), so tp alone
+        must divide them or be a multiple of them (ulysses then splits or replicates each rank's share)."""
+        errs = super().check(plan, cfg, world_size, require_implemented)
+        kv = getattr(cfg, "num_kv_heads", None)
+        if kv is not None and plan.tp > 1 and kv % plan.tp and plan.tp % kv:
+            errs.append(f"cosmos3: {kv} KV heads can be neither split nor replicated over tp = {plan.tp}")
+        return errs
 
     def __call__(self, instance: Any, mesh: Any) -> Any:
         instance = super().__call__(instance, mesh)
@@ -50,6 +61,7 @@ class Cosmos3Parallelism(ParallelismContract):
         sequence_parallel = plan.sp_ulysses * plan.sp_ring > 1 and hasattr(mesh, "axis")
         instance.sequence_parallel = GenSequenceParallel(mesh, instance.cfg.num_kv_heads) if sequence_parallel \
             else None
+        attach_tp(instance, mesh)   # tp > 1: this rank's slices of every layer (tp.py); also sets the SP's KV heads
         return instance
 
 

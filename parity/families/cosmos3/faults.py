@@ -255,21 +255,44 @@ COSMOS3_C1_FAULTS = {
 
 # ------------------------------------------------------------------------------------------------
 # Parallel faults: planted by every rank of a C1 run under --plan (parallel.py) at the runtime's declared seams
-# (parity/parallel_faults.py: optimized.parallel.sp.split_head_groups, CFGParallel.branch_rows), so kept apart
-# from the one-process FAULTS
+# (parity/parallel_faults.py: optimized.parallel.sp.split_head_groups, CFGParallel.branch_rows; and cosmos3's own
+# optimized.models.cosmos3.tp.tp_slice), so kept apart from the one-process FAULTS
 # ------------------------------------------------------------------------------------------------
 
-PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp"}   # fault -> axis
+PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
+                       "tp-wrong-slice": "tp"}   # fault -> axis
 PARALLEL_FAULT_DECLS = (
     Fault("ulysses-heads-permuted", "Ulysses SP: the forward all-to-all sends each head group to the wrong rank "
           "(C1 with --plan ulysses2)", "C1", "step 0, cond branch, layer layers.0.gen"),
     Fault("cfg-branches-swapped", "CFG-parallel: each rank runs the other branch and reports it as its own (C1 "
           "with --plan cfgp2)", "C1", "step 0, no layer (rank 0): the model agrees on the reference's inputs"),
+    Fault("tp-wrong-slice", "TP: layer 1's gen MLP down_proj (row-parallel) kept as the next rank's columns (C1 "
+          "with --plan tp2; seam optimized.models.cosmos3.tp.tp_slice)", "C1",
+          "step 0, cond branch, layer layers.1.gen"),
 )
+
+
+def _tp_wrong_slice():
+    """Layer fault_layer's gen mlp.down_proj.weight sliced as rank r + 1's columns when a rank cuts its shard
+    (optimized.models.cosmos3.tp.tp_slice, the seam every slice goes through)."""
+    from optimized.models.cosmos3 import tp
+    from parity.parallel_faults import patched
+
+    def wrong(original):
+        def tp_slice(key, shape, group, cfg):
+            got = original(key, shape, group, cfg)
+            if got is None or key != f"layers.{fault_layer(cfg)}.gen.mlp.down_proj.weight":
+                return got
+            dim, start, length = got
+            return dim, (start + length) % shape[dim], length
+        return tp_slice
+    return patched(tp, "tp_slice", wrong)
 
 
 def planted_parallel(fault: str | None):
     """A parallel fault, entered by every rank before its engines are built (a no-op for other faults)."""
+    if fault == "tp-wrong-slice":   # a cosmos3 seam (the runtime's own are planted by parity/parallel_faults.py)
+        return _tp_wrong_slice()
     if fault in PARALLEL_FAULT_AXES:
         from parity.parallel_faults import planted
         return planted(fault)
