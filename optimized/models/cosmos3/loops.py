@@ -182,15 +182,15 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
     def admission(self, s: DenoiseState) -> ResourceRequest:
         """Held for the request's life, per rank: latents + solver history (whole on every rank: cfgp gathers the
         predictions, SP the hidden state) and the text K/V of every branch (each rank may run every branch: whole
-        under cfgp) with only this rank's KV heads under ulysses (parallelize.py `shard_und`: the GQA replication
-        rule keeps max(K, u) / u heads)."""
+        under cfgp) with only this rank's KV heads under tp and ulysses (parallelize.py `shard_und`: the GQA
+        replication rule keeps max(K, u) / u heads)."""
         cfg = self.fast.cfg
         latent_bytes = sum(t.numel() * 4 for t in s.latents.values()) * 4  # latents + solver history
         texts = [s.request.text_ids] + ([s.request.negative_text_ids] if s.request.uses_cfg else [])
         elem = torch.finfo(self.fast.dtype).bits // 8
         lay = self.layout()
         u = lay.sp_ulysses if lay is not None else 1
-        kv_heads = max(cfg.num_kv_heads, u) // u
+        kv_heads = max(self.fast.num_kv_heads, u) // u   # this rank's KV heads (tp.py shards them under tp)
         kv_bytes = sum(2 * cfg.num_layers * t.numel() * kv_heads * cfg.head_dim * elem for t in texts)
         return ResourceRequest(device_bytes=latent_bytes + kv_bytes)
 
