@@ -170,3 +170,21 @@ def test_parallel_faults_fail_naming_step_and_layer(plan, fault, where):
     bad = [c for c in report.checks if not c.passed]
     assert bad, f"C1 passed with {fault} planted"
     assert any(where in (c.divergence or "") for c in bad), [(c.name, c.divergence) for c in bad][:6]
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plan,fault", [("ulysses2", None), ("ring2", None), ("cfgp2,ulysses2", None),
+                                        ("ulysses2", "ulysses-heads-permuted")])
+def test_c0_per_plan_forward_rows(plan, fault):
+    """C0 per plan: every rank's parallel transformer on the reference's inputs of every step vs the reference."""
+    from parity.families.cosmos3.cases import STEPS
+    rows = [c for c in c1(plan, fault).checks if "/forward_step" in c.name]
+    world = ParallelPlan.parse(plan).world_size
+    assert {(r, s) for r in range(world) for s in range(STEPS)} == \
+        {(r, s) for c in rows for r in range(world) for s in range(STEPS) if f"/rank{r}/forward_step{s}:" in c.name}
+    if fault is None:
+        assert all(c.passed for c in rows), [(c.name, c.metrics) for c in rows if not c.passed][:4]
+    else:                                              # every row fails, naming the layer of the permuted heads
+        assert not any(c.passed for c in rows)
+        assert all("cond branch, layer layers.0.gen" in (c.divergence or "") for c in rows), rows[0].divergence

@@ -2,18 +2,25 @@
 against the cosmos3 contract (optimized/models/cosmos3 PARALLELISM) before anything runs (a refused plan is a setup
 error, exit 2), the ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank
 runs c1's loop cases through its own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP of
-the gen stream with head-sharded und K/V, optimized/models/cosmos3/parallelize.py; the cfgp axis through the
-CFG-parallel policy). Parallel faults (PARALLEL_FAULT_DECLS) are planted by every rank itself.
+the gen stream with head-sharded und K/V, optimized/models/cosmos3/parallelize.py; tensor parallel,
+optimized/models/cosmos3/tp.py, each tp rank reading only its slices of the variant written as a canonical checkpoint;
+the cfgp axis through the CFG-parallel policy). Parallel faults (PARALLEL_FAULT_DECLS) are planted by every rank
+itself.
 
 Rows per rank and request: c1's rows (timesteps, initial noise, every step's latents vs the fp32 reference loop, the
 loop tolerance), the engine's final latents under the plan vs the engine in one process (`vs_one_process`), and that
 every rank holds the same latents (`ranks_agree`). Localisation: each rank also traces its (parallel) model on the
 reference's own inputs of every step of each case's first request, both CFG branches; the first divergent step is
 named with the first divergent layer of that trace (or "after the transformer" when every layer agrees).
+C0 per plan: the cond-branch outputs of those traces vs the reference transformer on the same inputs, per output,
+at the C0 tolerance (`.../<case>/rankR/forward_stepS:vision|sound|action`, `_forward_checks`).
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -83,10 +90,33 @@ def _probes(cfg, case, ref_run, dtype) -> list[list[Probe]]:
     return out
 
 
-def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fault: str | None,
-                 probes: list[list[list[Probe]]]) -> list:
-    """This rank's runs of every case and its traces on the probe inputs: [(runs, [[(branch, trace)] per step])]."""
+def write_canonical_transformer(cfg, state: dict, root: Path) -> Path:
+    """The variant's canonical transformer state as a canonical checkpoint directory (config.json, manifest.json,
+    model.safetensors: the canonical keys as they are), for tp ranks that read only their slices of it."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (root / "manifest.json").write_text(json.dumps({"family": "cosmos3", "component": "transformer"}))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(root / "model.safetensors"))
+    return root
+
+
+def _rank_engine(cfg, state, dname: str, policy, mesh, checkpoint: str | None):
+    """This rank's engine: under tp > 1 with a checkpoint, the transformer read as this rank's slices only."""
     import optimized
+
+    if checkpoint and mesh.plan.tp > 1:
+        from optimized.models.cosmos3 import FAMILY, PARALLELISM
+        return optimized.Engine(PARALLELISM.load_sharded(checkpoint, mesh, "cpu", DTYPES[dname]), FAMILY,
+                                cfg_policy=policy, batching="greedy")
+    return optimized.Engine.from_state_dict(cfg, state, "cpu", DTYPES[dname], cfg_policy=policy, batching="greedy")
+
+
+def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fault: str | None,
+                 probes: list[list[list[Probe]]], checkpoint: str | None = None) -> list:
+    """This rank's runs of every case and its traces on the probe inputs: [(runs, [[(branch, trace)] per step])].
+    `checkpoint` (tp > 1): the canonical transformer directory this rank reads its tp slices from (`state` None)."""
     from optimized.parallel.cfg_parallel import CFGParallel
     from optimized.parallel.mesh import build_mesh
 
@@ -97,8 +127,7 @@ def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fau
         for case, case_probes in zip(cases, probes):
             policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else case.cfg_policy
             sent = {a: mesh.axis(a).stats["bytes_sent"] for a, _ in plan.active_axes}
-            engine = optimized.Engine.from_state_dict(cfg, state, "cpu", DTYPES[dname], cfg_policy=policy,
-                                                      batching="greedy")
+            engine = _rank_engine(cfg, state, dname, policy, mesh, checkpoint)
             engine.family.parallelize(engine.model, mesh)
             runs = run_engine_case(engine, case)
             traces = []
@@ -134,8 +163,12 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
             probes = [_probes(cfg, case, runs[0], dtype) for case, runs in zip(todo, ref_runs)]
             progress(f"[cosmos3 C1] {vname} {dname}: plan {plan.name()} on {plan.world_size} gloo ranks, "
                      f"{len(todo)} cases")
-            ranks = run_ranks(_rank_worker, plan.world_size, (plan.name(), cfg, state, dname, todo, fault, probes),
-                              timeout_s=RANK_TIMEOUT_S)
+            with tempfile.TemporaryDirectory(prefix="fvparity-cosmos3-tp-") as tmp:
+                # under tp the ranks read their slices of a canonical checkpoint, never the whole state
+                ckpt = str(write_canonical_transformer(cfg, state, Path(tmp) / "transformer")) if plan.tp > 1 \
+                    else None
+                ranks = run_ranks(_rank_worker, plan.world_size, (plan.name(), cfg, None if ckpt else state, dname,
+                                                                  todo, fault, probes, ckpt), timeout_s=RANK_TIMEOUT_S)
             for c, case in enumerate(todo):
                 engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy,
                                                           batching="greedy")
@@ -146,6 +179,7 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                     f"{prefix}/axes_exchanged", not idle, detail="every axis of the plan moved data on every rank: "
                     + ", ".join(f"{a} {n} B" for a, n in ranks[0][c][2].items()) if not idle else
                     f"no exchange (the plan ran replicated): {', '.join(idle)}"))
+                report.checks += _forward_checks(prefix, reference, probes[c], [rank[c][1] for rank in ranks], c0_tol)
                 for k, req in enumerate(case.requests):
                     sub = f"/req{k}" if len(case.requests) > 1 else ""
                     for r, rank in enumerate(ranks):
@@ -196,3 +230,31 @@ def _localise(reference, probes: list[list[Probe]], traces: list, step: int, tol
             return f"step {step}, {branch} branch, layer {div.name} (rank {rank}, rel_l2 {div.metrics.rel_l2:.2e})"
     return (f"step {step}, no layer (rank {rank}): the model agrees on the reference's inputs of both branches "
             f"(after the transformer: CFG combine / solver)")
+
+
+def _forward_checks(prefix: str, reference, probes: list[list[Probe]], rank_traces: list[list], tol,
+                    ) -> list[CheckResult]:
+    """C0 under the plan: every rank's parallel transformer output (its traced `pred.*` records) on the reference's
+    own cond-branch inputs of every step vs the reference transformer on those inputs, per output, at the C0
+    tolerance; a failing row names the first divergent layer (`_localise`)."""
+    from manifests.cosmos3.io import Cosmos3Prediction
+    from parity.families.cosmos3.cases import zero_by_construction
+    from parity.families.cosmos3.common import compare_predictions, run_reference
+
+    out = []
+    for step, step_probes in enumerate(probes):
+        _, inp = step_probes[0]                                        # the cond branch: one reference forward
+        want = run_reference(reference, inp)
+        for r, traces in enumerate(rank_traces):
+            got = traces[step][0][1] if step < len(traces) else {}
+            if "pred.vision" not in got:
+                out.append(CheckResult(f"{prefix}/rank{r}/forward_step{step}", False,
+                                       detail="no traced prediction from this rank"))
+                continue
+            pred = Cosmos3Prediction(vision=got["pred.vision"], sound=got.get("pred.sound"),
+                                     action=got.get("pred.action"))
+            out += compare_predictions(f"{prefix}/rank{r}/forward_step{step}", pred, want, tol,
+                                       lambda r=r, traces=traces, step=step: _localise(reference, probes, traces,
+                                                                                        step, tol, r),
+                                       zero=zero_by_construction(inp))
+    return out
