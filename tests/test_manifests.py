@@ -60,6 +60,6 @@ def test_parity_contract():
     pc = load_parity_contract("cosmos3")
     assert pc.tolerance("C0", "float32", "cpu").rel_l2 == 1e-5
     assert pc.tolerance("C0", "bfloat16", "cuda").rel_l2 == 1e-2
-    assert pc.tolerance("C0", "bfloat16", "cpu").rel_l2 == 2.5e-2  # measured clean max 1.83e-2
+    assert pc.tolerance("C0", "bfloat16", "cpu").rel_l2 == 3.5e-2  # measured clean max 2.3e-2 over seeds 0-3
     with pytest.raises(ManifestError):
         pc.tolerance("C2", "float32", "cpu")
