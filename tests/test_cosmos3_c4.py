@@ -55,6 +55,19 @@ def test_fault_inverted_latents_std_fails_frames_only_and_names_the_decode():
         assert c.extra["ssim_min"] < 0.9
 
 
+@pytest.mark.parametrize("side", ["ReferenceSide", "EngineSide"])
+def test_a_side_that_raises_is_a_failed_check_not_a_crash(side, monkeypatch):
+    """A porting bug that makes one side raise (e.g. NaN latents refused by the VAE) fails that case's check and
+    the run goes on (found by `fvparity mutate cosmos3`: ref-unipc-no-lower-order-final ended C4 with exit 3)."""
+    def boom(self, request):
+        raise ValueError("wan VAE 2.2: latents hold NaN or Inf values")
+    monkeypatch.setattr(getattr(c4, side), "generate", boom)
+    r = _run(variants=("tiny-edge",))
+    who = "reference" if side == "ReferenceSide" else "engine"
+    assert not r.passed and {c.name for c in r.checks} == {f"tiny-edge/fp32/{k}/{who}" for k in ("t2v", "i2v")}
+    assert all(f"{who} raised ValueError: wan VAE 2.2" in c.detail for c in r.checks)
+
+
 def test_fault_swapped_stereo_fails_audio_only():
     r = _run("swapped-stereo")
     failed = {c.name: c for c in r.checks if not c.passed}

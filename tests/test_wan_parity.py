@@ -84,6 +84,16 @@ def test_c4_passes_with_frames_written_and_read_back():
                                                                    "decode_chunk2"}
 
 
+def test_c4_reference_that_raises_is_a_failed_check_not_a_crash(monkeypatch):
+    """A reference-side bug that makes the pipeline raise fails that case (exit 1) and the run goes on."""
+    def boom(self, request):
+        raise ValueError("latents hold NaN or Inf values")
+    monkeypatch.setattr(common.ref.WanReferencePipeline, "generate", boom)
+    report = run("C4", [T2V])
+    assert not report.passed and report.checks
+    assert all(c.name.endswith("/reference") and "reference raised ValueError" in c.detail for c in report.checks)
+
+
 def test_levels_refuse_what_they_cannot_run():
     with pytest.raises(SetupError, match="not on tiny-2.1"):
         run("C1", ["tiny-2.1"])                       # a VAE-only variant has no loop

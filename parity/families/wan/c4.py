@@ -103,9 +103,14 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                     prefix = f"{m.name}/{dname}/{name}"
                     progress(f"[wan C4] {prefix}: generate + decode on both sides")
                     req = make_request(m.cfg, **kw)
-                    res = pipe.generate(req)
-                    want = Decoded(res.latents, pipe.decode(res.latents))
-                    try:  # an engine failure is this case's failed check, not a crash of the run
+                    try:  # a side that raises is this case's failed check, not a crash of the run
+                        res = pipe.generate(req)
+                        want = Decoded(res.latents, pipe.decode(res.latents))
+                    except Exception as e:  # noqa: BLE001
+                        report.checks.append(CheckResult(f"{prefix}/reference", False,
+                                                         detail=f"reference raised {type(e).__name__}: {e}"))
+                        continue
+                    try:
                         latents = engine.generate(req)["latents"]["vision"]
                         with faults.planted_decode(fault):
                             got = Decoded(latents, engine_decode(engine, latents))
