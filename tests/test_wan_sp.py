@@ -109,6 +109,48 @@ def test_pad_keys_not_masked_fails_in_the_padded_loop_naming_step_and_layer():
 
 @pytest.mark.dist
 @pytest.mark.slow
+def test_ring_without_max_shift_fails_only_in_the_large_logit_loop_naming_step_and_layer():
+    """The anchor loops' logits are O(1), so raw exp sums survive there; the large-logit loop (q / k norm scales
+    x 16, logits in the hundreds) must pass clean and fail under the fault at the first self-attention."""
+    clean = c1("ring2")
+    assert clean.passed, [(c.name, c.detail) for c in clean.checks if not c.passed][:5]
+    assert any("/sp_ring_large_logits/rank1/" in c.name for c in clean.checks)   # the loop ran, every rank
+    bad = [c for c in c1("ring2", fault="ring-no-max-shift").checks if not c.passed]
+    assert bad, "C1 passed with the ring merge's running max removed"
+    assert all("/sp_ring_large_logits/" in c.name for c in bad), [c.name for c in bad][:6]
+    assert any("step 0, cond branch, layer blocks.0" in (c.divergence or "") for c in bad), \
+        [(c.name, c.divergence) for c in bad][:6]
+
+
+def test_large_logit_loop_overflows_exp_and_its_reference_stays_finite():
+    """The loop is a real control only if some self-attention logit of every query row exceeds fp32's exp range
+    (|s| > 88.7: exp(s) is inf, or every exp(s) of the row 0) while the reference, with the max shift, is finite."""
+    import torch.nn.functional as F
+
+    from parity.families.wan.c1 import run_reference
+    from parity.families.wan.common import ModelUnderTest, random_model_weights, reference_pipeline
+    from parity.families.wan.parallel import large_logit_case, large_logit_model, plan_cases
+
+    cfg = load_model_variant(VARIANT)
+    assert [c.name for c in plan_cases(cfg, ParallelPlan.parse("ring2"))][-1] == "sp_ring_large_logits"
+    assert "sp_ring_large_logits" not in [c.name for c in plan_cases(cfg, ParallelPlan.parse("ulysses2"))]
+    pipe = reference_pipeline(large_logit_model(ModelUnderTest(VARIANT, "model", cfg, random_model_weights(cfg, 0))))
+    logits, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, *args, **kw):
+        if q.shape[-1] == cfg.dit.head_dim and q.shape[-2] == k.shape[-2]:   # the DiT's self-attention
+            logits.append((q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5)
+        return sdpa(q, k, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", spy)
+        run = run_reference(pipe, large_logit_case(cfg).requests[0])
+    assert logits and float(logits[0].abs().amax(-1).min()) > 88.7, float(logits[0].abs().amax(-1).min())
+    assert all(torch.isfinite(t).all() for t in run.trajectory)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
 def test_c1_ulysses4_on_the_four_head_variant():
     """World size 4: every tiny wan variant but tiny-2.1-t2v-4h has 2 heads, which ulysses4 cannot split."""
     from parity.families.wan.c1 import run_c1
@@ -168,7 +210,7 @@ def test_parallel_faults_are_declared_with_their_axis_and_refused_without_it():
     assert set(faults.PARALLEL_FAULTS) <= set(faults.C1_FAULTS)
     models = [SimpleNamespace(cfg=load_model_variant(VARIANT))]
     for fault, plan in (("ulysses-heads-permuted", "ring2"), ("tp-wrong-slice", "cfgp2"),
-                        ("cfg-branches-swapped", "tp2")):
+                        ("cfg-branches-swapped", "tp2"), ("ring-no-max-shift", "ulysses2")):
         with pytest.raises(SetupError, match=f"fault {fault} lives on the"):
             parse_plan(plan, models, "cpu", fault)
     for fault, plan in (("ulysses-heads-permuted", "ulysses2"), ("tp-wrong-slice", "tp2"),

@@ -14,6 +14,8 @@ Where each is planted (context managers; everything is restored on exit, caches 
              optimized.models.wan.parallelize.tp_slice        tp-wrong-slice           (--plan tp*)
              optimized.models.wan.transformer.key_mask_shard  pad-keys-not-masked      (--plan ulysses*; fails in
                                                                                          the sp_padded loop only)
+             optimized.parallel.sp.attention_lse              ring-no-max-shift        (--plan ring*; fails in the
+                                                                                         sp_ring_large_logits loop only)
 DiT / UMT5 faults are planted in the C0 components and, for C1, in the engine's model instance too.
 """
 
@@ -59,6 +61,9 @@ PARALLEL_FAULT_DECLS = (
     Fault("pad-keys-not-masked", "SP: the keys padding the sharded sequence to a multiple of ulysses x ring join "
           "self-attention unmasked (C1 with --plan ulysses2: the sp_padded loop)", "C1",
           "step 0, cond branch, layer blocks.0"),
+    Fault("ring-no-max-shift", "ring SP: each ring partial attention from raw exp sums, without the running max "
+          "(C1 with --plan ring2: exp overflows in the sp_ring_large_logits loop only)", "C1",
+          "step 0, cond branch, layer blocks.0"),
 )
 FAULT_NAMES = tuple(f.name for f in FAULTS)
 DIT_FAULTS = ("rope-wrong-axis", "perturbed-weight")
@@ -69,7 +74,8 @@ LOOP_FAULTS = ("expert-switch-late",)
 GRAPH_FAULTS = ("stale-static-buffer",)   # parity/graph_faults.py, in every DiT expert of the engine
 DECODE_FAULTS = ("inverted-latents-std",)
 PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
-                       "tp-wrong-slice": "tp", "pad-keys-not-masked": "sp_ulysses"}   # fault -> its plan axis
+                       "tp-wrong-slice": "tp", "pad-keys-not-masked": "sp_ulysses",
+                       "ring-no-max-shift": "sp_ring"}   # fault -> its plan axis
 PARALLEL_FAULTS = tuple(PARALLEL_FAULT_AXES)
 
 C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + tuple(VAE_FAULTS)

@@ -1,7 +1,9 @@
 """wan C1 under a parallel plan (`fvparity run wan --level C1 --plan ulysses2`): the plan is checked against the wan
 contract (optimized/models/wan PARALLELISM) before anything runs (a refused plan is a setup error, exit 2), the
 ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank runs c1's loop cases
-(plus, under sequence parallelism, a loop whose token count does not divide ulysses x ring: `padded_case`)
+(plus, under sequence parallelism, a loop whose token count does not divide ulysses x ring: `padded_case`, and
+under ring SP a loop whose self-attention logits reach hundreds, run on the same weights with the q / k RMS-norm
+scales enlarged: `large_logit_case`, so a ring merge without the running max overflows there)
 through its own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP inside the DiT; the
 cfgp axis through the CFG-parallel policy; tp through column / row-parallel DiT layers). With tp > 1 every rank
 loads its DiT shards from a canonical checkpoint (`--checkpoint`, or the variant's weights written as one by
@@ -71,10 +73,38 @@ def padded_case(cfg, sp_degree: int) -> LoopCase:
     return LoopCase(f"sp_padded_{n}", (req,), rules=("sp_padding",))
 
 
+LARGE_LOGIT_CASE = "sp_ring_large_logits"
+LARGE_LOGIT_QK_SCALE = 16.0   # norm_q and norm_k weights x 16: q.k / sqrt(d) x 256, hundreds (exp(89) is fp32 inf)
+
+
+def large_logit_case(cfg) -> LoopCase:
+    """A 2-step loop on the anchors' 2 x 2 x 2 token grid (no padding at ring2 / ring4), run on `large_logit_model`:
+    its self-attention logits reach hundreds, so only a softmax with the max shift stays finite."""
+    return LoopCase(LARGE_LOGIT_CASE, (make_request(cfg, 9, num_steps=2),), rules=("sp_ring_large_logits",))
+
+
+def large_logit_model(m: ModelUnderTest) -> ModelUnderTest:
+    """The same weights with every DiT self-attention q / k RMS-norm weight scaled by LARGE_LOGIT_QK_SCALE (the
+    logits scale by its square); the reference and every engine of the large-logit loop run on these."""
+    weights = dict(m.weights)
+    for name in ("transformer", "transformer_2"):
+        if name in weights:
+            weights[name] = {k: v * LARGE_LOGIT_QK_SCALE if k.endswith(("attn1.norm_q.weight", "attn1.norm_k.weight"))
+                             else v for k, v in weights[name].items()}
+    return ModelUnderTest(f"{m.name}+large-logits", m.kind, m.cfg, weights)   # its own weights_version
+
+
 def plan_cases(cfg, plan: ParallelPlan) -> list[LoopCase]:
-    """c1's anchor loops, plus the padded-sequence loop when the plan shards the sequence (ulysses x ring > 1)."""
+    """c1's anchor loops, plus the padded-sequence loop when the plan shards the sequence (ulysses x ring > 1) and
+    the large-logit loop when it runs ring attention (ring > 1)."""
     n = plan.sp_ulysses * plan.sp_ring
-    return loop_cases(cfg) + ([padded_case(cfg, n)] if n > 1 else [])
+    return (loop_cases(cfg) + ([padded_case(cfg, n)] if n > 1 else [])
+            + ([large_logit_case(cfg)] if plan.sp_ring > 1 else []))
+
+
+def case_model(m: ModelUnderTest, case: LoopCase) -> ModelUnderTest:
+    """The weights `case` runs on: the large-logit loop's own, else the variant's."""
+    return large_logit_model(m) if case.name == LARGE_LOGIT_CASE else m
 
 
 def _dit_inputs(pipe, req, ref_run, step: int) -> tuple[int, DiTInputs]:
@@ -144,8 +174,8 @@ def _rank_engine(m: ModelUnderTest, mesh, dname: str, seed: int, policy, checkpo
     return engine_for(m, "cpu", DTYPES[dname], seed, policy)
 
 
-def _rank_worker(group, plan_text: str, m: ModelUnderTest, seed: int, dname: str, cases: list[LoopCase],
-                 fault: str | None, probes: list[list[tuple[int, DiTInputs]]], checkpoint: str | None) -> list:
+def _rank_worker(group, plan_text: str, models: list[ModelUnderTest], seed: int, dname: str, cases: list[LoopCase],
+                 fault: str | None, probes: list[list[tuple[int, DiTInputs]]], checkpoints: list[str | None]) -> list:
     """This rank's runs of every case, and its DiT traces on the probe inputs: [(runs, [trace per step])]."""
     from optimized.parallel.cfg_parallel import CFGParallel
     from optimized.parallel.mesh import build_mesh
@@ -154,7 +184,7 @@ def _rank_worker(group, plan_text: str, m: ModelUnderTest, seed: int, dname: str
     mesh = build_mesh(plan)
     out = []
     with faults.planted_parallel(fault):   # this rank's own patch, before anything is loaded
-        for case, case_probes in zip(cases, probes):
+        for case, m, case_probes, checkpoint in zip(cases, models, probes, checkpoints):
             policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else case.cfg_policy
             engine = _rank_engine(m, mesh, dname, seed, policy, checkpoint)
             engine.family.parallelize(engine.model, mesh)
@@ -186,20 +216,26 @@ def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: st
                fault: str | None, progress: Callable[[str], None], checkpoint: str | None) -> None:
     from optimized.parallel.launch import run_ranks
 
-    pipe = reference_pipeline(m)
     cases = plan_cases(m.cfg, plan)
-    ref_runs = [[run_reference(pipe, req) for req in case.requests] for case in cases]
+    models = [case_model(m, case) for case in cases]
+    # the checkpoint holds the variant's weights: a case on other weights cuts its tp shards from them instead
+    checkpoints = [checkpoint if cm is m else None for cm in models]
+    base = reference_pipeline(m)
+    pipes = [base if cm is m else reference_pipeline(cm) for cm in models]
+    ref_runs = [[run_reference(pipe, req) for req in case.requests] for case, pipe in zip(cases, pipes)]
     probes = [[_dit_inputs(pipe, case.requests[0], runs[0], s) for s in range(len(runs[0].trajectory))]
-              for case, runs in zip(cases, ref_runs)]
+              for case, runs, pipe in zip(cases, ref_runs, pipes)]
     for dname in dtypes:
         tol = contract_tolerance("C1", "loop", dname, device)
         step_tol = contract_tolerance("C0", "dit", dname, device)
         progress(f"[wan C1] {m.name}/{dname}: plan {plan.name()} on {plan.world_size} gloo ranks, "
                  f"{len(cases)} cases")
         ranks = run_ranks(_rank_worker, plan.world_size,
-                          (plan.name(), m, seed, dname, cases, fault, probes, checkpoint), timeout_s=RANK_TIMEOUT_S)
+                          (plan.name(), models, seed, dname, cases, fault, probes, checkpoints),
+                          timeout_s=RANK_TIMEOUT_S)
         for c, case in enumerate(cases):
-            one = run_engine_case(engine_for(m, device, DTYPES[dname], seed, case.cfg_policy), case)
+            pipe = pipes[c]
+            one = run_engine_case(engine_for(models[c], device, DTYPES[dname], seed, case.cfg_policy), case)
             prefix = f"{m.name}/{dname}/{plan.name()}/{case.name}"
             for k, req in enumerate(case.requests):
                 ref_run = ref_runs[c][k]
@@ -222,7 +258,7 @@ def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: st
                     f"{prefix}" + (f"/req{k}" if len(case.requests) > 1 else "") + "/ranks_agree", agree,
                     detail=f"final latents bitwise equal on all {len(ranks)} ranks" if agree else
                     "the ranks hold different final latents"))
-        report.checks += _dit_checks(f"{m.name}/{dname}/{plan.name()}/{cases[0].name}", pipe, probes[0],
+        report.checks += _dit_checks(f"{m.name}/{dname}/{plan.name()}/{cases[0].name}", pipes[0], probes[0],
                                      [rank[0][1] for rank in ranks], step_tol)
 
 
