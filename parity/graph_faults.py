@@ -10,17 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import Iterable, Iterator
-
-
-@contextlib.contextmanager
-def patched(owner, name: str, replacement) -> Iterator[None]:
-    """`owner.name = replacement(original)` for the duration."""
-    original = getattr(owner, name)
-    setattr(owner, name, replacement(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
+from parity.patching import patched  # noqa: F401 (re-exported: the one planting helper)
 
 
 @contextlib.contextmanager

@@ -25,18 +25,8 @@ import os
 import runpy
 import sys
 import time
-from typing import Callable, Iterator
-
-
-@contextlib.contextmanager
-def patched(owner, name: str, make: Callable) -> Iterator[None]:
-    """owner.name replaced by make(original) until exit (module attribute or class method)."""
-    original = getattr(owner, name)
-    setattr(owner, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
+from typing import Callable
+from parity.patching import patched  # noqa: F401 (re-exported: the one planting helper)
 
 
 def _heads_permuted():

@@ -23,6 +23,7 @@ from scipy import stats
 
 from manifests.parity import Tolerance
 from parity.report import CheckResult
+from parity.patching import patched as _patched
 
 
 def _steps(lp: torch.Tensor) -> list[int]:
@@ -139,16 +140,6 @@ def distribution_check(name: str, tests: dict[str, tuple], alpha: float, expect_
 
 # ------------------------------------------------------------------------------------------------ planted faults
 # (family-agnostic: the SDE solver and the weight-update lifecycle are shared by every family's loop)
-
-@contextlib.contextmanager
-def _patched(module, name: str, make) -> Iterator[None]:
-    original = getattr(module, name)
-    setattr(module, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
 
 def sde_sigma_off_by_one():
     """The rollout's SDE step reads the sigma table one entry late (sigma_{i+1}, sigma_{i+2})."""

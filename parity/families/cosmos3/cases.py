@@ -20,7 +20,7 @@ given) is reported as such (`zero_by_construction`), never as an ordinary tolera
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,8 +28,8 @@ from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs
 from manifests.cosmos3.reasoning import ReasonRequest
 from manifests.cosmos3.sampling import ActionSpec, Cosmos3GenerateRequest, UniPCConfig
+from parity.cases import MATRICES, describe, draws, rule_rng, rules_covered  # noqa: F401 (family surface)
 
-MATRICES = ("ci", "full")
 STEPS = 4          # denoise steps of every C1 loop case
 AR_TOKENS = 6      # new tokens of the short AR requests
 
@@ -62,13 +62,7 @@ C1_RULES = {
 
 
 def _rng(rule: str, seed: int, draw: int) -> random.Random:
-    return random.Random(f"cosmos3:{rule}:{seed}:{draw}")
-
-
-def draws(matrix: str, ci: int = 1, full: int = 3) -> range:
-    if matrix not in MATRICES:
-        raise ValueError(f"unknown case matrix {matrix!r}; known: {', '.join(MATRICES)}")
-    return range(ci if matrix == "ci" else full)
+    return rule_rng("cosmos3", rule, seed, draw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,20 +340,3 @@ def ar_requests(cfg: Cosmos3Config, matrix: str = "ci", seed: int = 0) -> list[R
     reqs += [ReasonRequest(ids(5), 16, temperature=0.5, top_p=0.9, seed=4),
              ReasonRequest(ids(6), 16, temperature=1.5, top_p=0.7, seed=3)]
     return reqs
-
-
-def rules_covered(cases) -> set[str]:
-    return {rule for c in cases for rule in c.rules}
-
-
-def describe(case) -> dict:
-    """A case as plain data (for reproducibility checks and reports)."""
-    def plain(v):
-        if isinstance(v, torch.Tensor):
-            return v.tolist()
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        if hasattr(v, "__dataclass_fields__"):
-            return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
-        return v
-    return plain(case)

@@ -21,6 +21,7 @@ import torch
 
 from manifests.cosmos3 import Cosmos3Config
 from parity.family import Fault
+from parity.patching import patched as _patched
 
 
 def fault_layer(cfg: Cosmos3Config) -> int:
@@ -37,16 +38,6 @@ def _perturbed_weight(fast, cfg: Cosmos3Config) -> Iterator[None]:
         yield
     finally:
         w.copy_(saved)
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, replacement) -> Iterator[None]:
-    original = getattr(module, name)
-    setattr(module, name, replacement(original))
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 def _rope_interleave(fast, cfg: Cosmos3Config):

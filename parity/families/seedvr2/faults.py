@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from parity.errors import SetupError
+from parity.patching import patched as _patched
 
 # fault name -> (what it breaks, the canonical name the harness must report); planted at any level
 FAULTS_INFO = {
@@ -34,16 +35,6 @@ SKIPPED_TRANSITION_LAYER = 1
 def check_fault(fault: str | None) -> None:
     if fault is not None and fault not in FAULTS_INFO:
         raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
-
-
-@contextlib.contextmanager
-def _patched(owner, name: str, replacement: Callable) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, replacement(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def _cyclic_shift():

@@ -18,16 +18,14 @@ The hand-written anchor cases (named in docs, tests and parallel plans: C0 `int_
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields, replace
-
-import torch
+from dataclasses import dataclass, replace
 
 from manifests.solvers import UniPCConfig
 from manifests.wan import WanDiTConfig, WanGenerateRequest, WanModelConfig
+from parity.cases import MATRICES, describe, draws, rule_rng, rules_covered  # noqa: F401 (family surface)
 from parity.families.wan.common import make_request
 from reference.solvers import flow_schedule
 
-MATRICES = ("ci", "full")
 STEPS = 4          # denoise steps of every C1 loop case (the boundary rule may draw 3 or 5 in `full`)
 
 C0_RULES = {
@@ -52,13 +50,7 @@ C1_RULES = {
 
 
 def _rng(rule: str, seed: int, draw: int) -> random.Random:
-    return random.Random(f"wan:{rule}:{seed}:{draw}")
-
-
-def draws(matrix: str, ci: int = 1, full: int = 3) -> range:
-    if matrix not in MATRICES:
-        raise ValueError(f"unknown case matrix {matrix!r}; known: {', '.join(MATRICES)}")
-    return range(ci if matrix == "ci" else full)
+    return rule_rng("wan", rule, seed, draw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,20 +227,3 @@ def c1_cases(cfg: WanModelConfig, matrix: str = "ci", seed: int = 0) -> list[Loo
         for d in draws(matrix, full=2):
             out += _c1_draw(cfg, rule, _rng(rule, seed, d), f"{rule}.{d}", d, matrix)
     return out
-
-
-def rules_covered(cases) -> set[str]:
-    return {rule for c in cases for rule in c.rules}
-
-
-def describe(case) -> dict:
-    """A case as plain data (for reproducibility checks and reports)."""
-    def plain(v):
-        if isinstance(v, torch.Tensor):
-            return v.tolist()
-        if isinstance(v, tuple):
-            return [plain(x) for x in v]
-        if hasattr(v, "__dataclass_fields__"):
-            return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
-        return v
-    return plain(case)

@@ -29,6 +29,7 @@ import torch
 from parity.errors import SetupError
 from parity.families.wan import vae
 from parity.family import Fault
+from parity.patching import patched as _patched
 
 FAULT_LAYER = 1   # perturbed-weight nudges this block (the last one when the DiT has fewer layers)
 
@@ -175,16 +176,6 @@ def planted_umt5(fault: str | None, encoder) -> Iterator[None]:
 
 def planted_vae(fault: str | None, fast_vae):
     return vae.planted(VAE_FAULTS.get(fault), fast_vae)
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, replacement) -> Iterator[None]:
-    original = getattr(module, name)
-    setattr(module, name, replacement(original))
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 def _expert_switch_late():
