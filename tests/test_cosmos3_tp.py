@@ -80,12 +80,13 @@ def test_checkpoint_shards_read_only_their_slices(tmp_path, monkeypatch):
     ckpt = read_checkpoint(tmp_path / "ckpt")
     cfg, whole = ckpt.typed_config(), load_state(ckpt)
     reads: list[tuple[tuple[int, ...], int, int]] = []
-    real = cosmos3_tp.read_slice
+    from optimized.parallel import tp as tp_primitives   # the one sharded reader (both families)
+    real = tp_primitives.read_slice
 
     def counting(file, offset, dtype, shape, dim, start, length):
         reads.append((tuple(shape), dim, length))
         return real(file, offset, dtype, shape, dim, start, length)
-    monkeypatch.setattr(cosmos3_tp, "read_slice", counting)
+    monkeypatch.setattr(tp_primitives, "read_slice", counting)
     for r in range(2):
         axis = FakeAxis(r, 2)
         got = cosmos3_tp.read_sharded_state(ckpt.component(), cfg, axis)

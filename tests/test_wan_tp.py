@@ -91,12 +91,13 @@ def test_checkpoint_shards_read_only_their_slices(tmp_path, monkeypatch):
     ckpt = read_checkpoint(write_model_dir(m, tmp_path))
     whole = load_state(ckpt, component="transformer")
     reads: list[tuple[tuple[int, ...], int, int]] = []
-    real = parallelize.read_slice
+    from optimized.parallel import tp as tp_primitives   # the one sharded reader (both families)
+    real = tp_primitives.read_slice
 
     def counting(file, offset, dtype, shape, dim, start, length):
         reads.append((tuple(shape), dim, length))
         return real(file, offset, dtype, shape, dim, start, length)
-    monkeypatch.setattr(parallelize, "read_slice", counting)
+    monkeypatch.setattr(tp_primitives, "read_slice", counting)
     for r in range(2):
         tp = rank_of(r)
         got = parallelize.read_sharded_state(ckpt, "transformer", m.cfg.dit, tp)

@@ -14,6 +14,7 @@ them): `column_shard` / `row_shard` (which slice a rank keeps).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -79,3 +80,29 @@ def read_slice(file: str | Path, offset: int, dtype: torch.dtype, shape: tuple[i
     part = torch.from_numpy(np.array(mm[tuple(index)], copy=True))   # a copy: nothing keeps the map open
     del mm
     return part.view(dtype) if dtype == torch.bfloat16 else part
+
+
+def read_sharded_state(comp: Any, shapes: dict[str, tuple[int, ...]],
+                       slice_of: Callable[[str, tuple[int, ...]], tuple[int, int, int] | None],
+                       what: str) -> dict[str, torch.Tensor]:
+    """This rank's slice of every canonical key of a checkpoint component, read from its safetensors files by memory
+    map (a column shard is a contiguous byte range, a row shard 1 / n of every row): the full weights of a sharded
+    key are never read. `slice_of(key, shape)` -> (dim, start, length), or None for a key every rank holds whole."""
+    from manifests.checkpoint import CheckpointError, tensor_index   # the canonical reader's validated header index
+
+    entries = tensor_index(comp)
+    extra, missing = sorted(set(entries) - set(shapes)), sorted(set(shapes) - set(entries))
+    if extra or missing:
+        raise CheckpointError(f"{comp.path}: {what} keys differ from the config (missing {missing[:3]}, "
+                              f"unexpected {extra[:3]})")
+    out = {}
+    for key, shape in shapes.items():
+        e = entries[key]
+        if e.shape != tuple(shape) or not e.dtype.is_floating_point:
+            raise CheckpointError(f"{e.file}: key {key!r} is {e.dtype} {list(e.shape)}, the config needs {list(shape)}")
+        dim, start, length = slice_of(key, shape) or (0, 0, shape[0])
+        x = read_slice(e.file, e.start, e.dtype, e.shape, dim, start, length)
+        if not bool(torch.isfinite(x).all()):
+            raise CheckpointError(f"{e.file}: key {key!r} holds NaN/Inf values")
+        out[key] = x
+    return out

@@ -36,7 +36,7 @@ import torch
 from manifests.cosmos3.config import Cosmos3Config
 from manifests.cosmos3.keys import canonical_key_shapes
 from optimized.parallel.group import AxisGroup
-from optimized.parallel.tp import read_slice, shard_bounds
+from optimized.parallel.tp import read_sharded_state as read_sharded, shard_bounds
 from optimized.runtime.spec import ComponentSpec
 
 COLUMN_SUFFIXES = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias",
@@ -116,28 +116,9 @@ def sharded_component(component: ComponentSpec, cfg: Cosmos3Config, tp: AxisGrou
 
 
 def read_sharded_state(comp, cfg: Cosmos3Config, tp: AxisGroup) -> dict[str, torch.Tensor]:
-    """This rank's slice of every canonical transformer key, read from the checkpoint component's safetensors files
-    by memory map (a column shard is a contiguous byte range, a row shard 1 / n of every row): the full weights of
-    a sharded key are never read."""
-    from manifests.checkpoint import CheckpointError, tensor_index   # the canonical reader's validated header index
-
-    entries = tensor_index(comp)
-    shapes = canonical_key_shapes(cfg)
-    extra, missing = sorted(set(entries) - set(shapes)), sorted(set(shapes) - set(entries))
-    if extra or missing:
-        raise CheckpointError(f"{comp.path}: transformer keys differ from the config (missing {missing[:3]}, "
-                              f"unexpected {extra[:3]})")
-    out = {}
-    for key, shape in shapes.items():
-        e = entries[key]
-        if e.shape != tuple(shape) or not e.dtype.is_floating_point:
-            raise CheckpointError(f"{e.file}: key {key!r} is {e.dtype} {list(e.shape)}, the config needs {list(shape)}")
-        dim, start, length = tp_slice(key, shape, tp, cfg) or (0, 0, shape[0])
-        x = read_slice(e.file, e.start, e.dtype, e.shape, dim, start, length)
-        if not bool(torch.isfinite(x).all()):
-            raise CheckpointError(f"{e.file}: key {key!r} holds NaN/Inf values")
-        out[key] = x
-    return out
+    """This rank's slice of every canonical transformer key (`tp_slice`, looked up at call time: the fault seam)."""
+    return read_sharded(comp, canonical_key_shapes(cfg), lambda key, shape: tp_slice(key, shape, tp, cfg),
+                        "transformer")
 
 
 def load_sharded(path: str | Path, mesh: Any, device: str = "cpu", dtype: torch.dtype = torch.float32):

@@ -25,7 +25,7 @@ import torch
 
 from manifests.wan.dit import WanDiTConfig, dit_key_shapes
 from optimized.parallel.group import AxisGroup
-from optimized.parallel.tp import read_slice, shard_bounds
+from optimized.parallel.tp import read_sharded_state as read_sharded, shard_bounds
 from optimized.runtime.spec import ComponentSpec
 
 COLUMN_PREFIXES = tuple(f"{a}.{p}." for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v", "norm_q", "norm_k")) \
@@ -86,28 +86,9 @@ def shard_params(component: ComponentSpec, params: dict[str, torch.Tensor], tp: 
 
 
 def read_sharded_state(ckpt, component: str | None, cfg: WanDiTConfig, tp: AxisGroup) -> dict[str, torch.Tensor]:
-    """This rank's slice of every canonical DiT key, read from the checkpoint's safetensors files by memory map (a
-    column shard is a contiguous byte range, a row shard 1 / n of every row): the full weights are never read."""
-    from manifests.checkpoint import CheckpointError, tensor_index   # the canonical reader's validated header index
-
-    comp = ckpt.component(component)
-    entries = tensor_index(comp)
-    shapes = dit_key_shapes(cfg)
-    extra, missing = sorted(set(entries) - set(shapes)), sorted(set(shapes) - set(entries))
-    if extra or missing:
-        raise CheckpointError(f"{comp.path}: DiT keys differ from the config (missing {missing[:3]}, unexpected "
-                              f"{extra[:3]})")
-    out = {}
-    for key, shape in shapes.items():
-        e = entries[key]
-        if e.shape != tuple(shape) or not e.dtype.is_floating_point:
-            raise CheckpointError(f"{e.file}: key {key!r} is {e.dtype} {list(e.shape)}, the config needs {list(shape)}")
-        dim, start, length = tp_slice(key, shape, tp) or (0, 0, shape[0])
-        x = read_slice(e.file, e.start, e.dtype, e.shape, dim, start, length)
-        if not bool(torch.isfinite(x).all()):
-            raise CheckpointError(f"{e.file}: key {key!r} holds NaN/Inf values")
-        out[key] = x
-    return out
+    """This rank's slice of every canonical DiT key (`tp_slice`, looked up at call time: the fault seam)."""
+    return read_sharded(ckpt.component(component), dit_key_shapes(cfg), lambda key, shape: tp_slice(key, shape, tp),
+                        "DiT")
 
 
 def load_sharded_instance(path: str | Path, mesh, device: str = "cpu", dtype: torch.dtype = torch.float32):
