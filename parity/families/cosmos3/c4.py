@@ -227,24 +227,20 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                             continue
                         prefix = f"{vname}/{dname}/{case.name}"
                         progress(f"[cosmos3 C4] {prefix}: generate + decode on both sides")
-                        ref_cond = eng_cond = None
                         clip = (conditioning_clip(synthetic_image(HEIGHT, WIDTH), NUM_FRAMES).to(device)
                                 if case.image else None)
-                        # a side that raises (e.g. NaN latents reaching the VAE) is this case's failed check
-                        try:
-                            ref_cond = reference.encode_condition(clip) if case.image else None
-                            want = reference.generate(case_request(comp, case, ref_cond))
-                        except Exception as e:  # noqa: BLE001
-                            report.checks.append(CheckResult(f"{prefix}/reference", False,
-                                                             detail=f"reference raised {type(e).__name__}: {e}"))
+                        sides = {}
+                        for who, side in (("reference", reference), ("engine", engine)):
+                            try:  # a side that raises (e.g. NaN latents reaching the VAE) is this case's failed check
+                                cond = side.encode_condition(clip) if case.image else None
+                                sides[who] = cond, side.generate(case_request(comp, case, cond))
+                            except Exception as e:  # noqa: BLE001
+                                report.checks.append(CheckResult(f"{prefix}/{who}", False,
+                                                                 detail=f"{who} raised {type(e).__name__}: {e}"))
+                                break
+                        if len(sides) < 2:
                             continue
-                        try:
-                            eng_cond = engine.encode_condition(clip) if case.image else None
-                            got = engine.generate(case_request(comp, case, eng_cond))
-                        except Exception as e:  # noqa: BLE001
-                            report.checks.append(CheckResult(f"{prefix}/engine", False,
-                                                             detail=f"engine raised {type(e).__name__}: {e}"))
-                            continue
+                        (ref_cond, want), (eng_cond, got) = sides["reference"], sides["engine"]
                         if case.image:
                             report.checks += condition_checks(prefix, ref_cond, eng_cond, got, component_tol)
                         report.checks += artifact_checks(prefix, want, got, bounds, latent_tol,
