@@ -332,3 +332,68 @@ def test_wan_graph_mode_under_a_plan_is_refused():
 
     with pytest.raises(SetupError, match="runs eagerly"):
         run_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, None, lambda m: None, plan="ulysses2", graph="compile")
+
+
+# ---- the AR decode step body (optimized/models/cosmos3/reasoner.py decode_body)
+
+def _reason_all(eng, reqs) -> tuple[list[dict], list[dict]]:
+    steps: list[dict] = []
+    eng.subscribe(lambda ev: steps.append(dict(ev.data)), prefix="trace.step")
+    handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
+    eng.run_until_idle()
+    return [h.result() for h in handles], [d for d in steps if d.get("phase") == "ar_token"]
+
+
+def test_ar_decode_replayed_is_bitwise_eager_and_matches_the_reference_on_bucket_edges(tiny):
+    """5 requests (5 rows -> the 8-row bucket: one over the 4-row edge) whose contexts fill 4 blocks of 4 exactly,
+    then go one token over (the 8-block bucket). Replayed (emulated capture) == eager bitwise; both match the
+    reference's full recompute (greedy tokens exact, logits within the fp32 C0 tolerance)."""
+    import optimized
+    from manifests.cosmos3.reasoning import ReasonRequest
+    from reference.cosmos3.reasoner import reason
+
+    cfg, state, ref = tiny
+    g = torch.Generator().manual_seed(3)
+    reqs = [ReasonRequest(prompt_ids=torch.randint(0, cfg.vocab_size, (12 + k % 2,), generator=g), max_new_tokens=6,
+                          temperature=0.0 if k % 2 else 0.8, top_k=0 if k % 2 else 20, seed=k) for k in range(5)]
+    eager = optimized.Engine.from_state_dict(cfg, state, kv_block_size=4, batching="greedy")
+    captured = optimized.Engine.from_state_dict(cfg, state, kv_block_size=4, batching="greedy")
+    captured.model.graph_cache = CompileCache(emulate_capture=True)
+    captured.model.configure_graph("cuda")
+    got_e, steps_e = _reason_all(eager, reqs)
+    got_c, steps_c = _reason_all(captured, reqs)
+    buckets = {d["bucket"] for d in steps_c}
+    assert {"ar_token;B=8;blocks=4x4", "ar_token;B=8;blocks=8x4"} <= buckets, buckets
+    assert {d["graph"] for d in steps_c} == {"replayed"} and {d["graph"] for d in steps_e} == {"eager"}
+    assert any(d["graph_cache"] == "hit" for d in steps_c)
+    for r, e, c in zip(reqs, got_e, got_c):
+        assert e["tokens"] == c["tokens"]
+        assert all(torch.equal(a, b) for a, b in zip(e["logits"], c["logits"]))
+        want = reason(ref, r)
+        assert e["tokens"] == want.tokens
+        assert max(compare(a, b).rel_l2 for a, b in zip(e["logits"], want.logits)) <= FP32_TOL
+
+
+def test_ar_decode_stale_static_buffer_fails_and_pad_rows_touch_no_request(tiny):
+    """Negative control: the AR decode step replayed without copying its new inputs (emulated graph) repeats the
+    previous step's logits; the same engine after the fault is lifted decodes correctly again, and the pool's scratch
+    block (where pad rows write) was never handed out."""
+    import optimized
+    from manifests.cosmos3.reasoning import ReasonRequest
+    from reference.cosmos3.reasoner import reason
+
+    cfg, state, ref = tiny
+    g = torch.Generator().manual_seed(4)
+    reqs = [ReasonRequest(prompt_ids=torch.randint(0, cfg.vocab_size, (9,), generator=g), max_new_tokens=5, seed=k)
+            for k in range(3)]
+    want = [reason(ref, r).tokens for r in reqs]
+    eng = optimized.Engine.from_state_dict(cfg, state, kv_block_size=4, batching="greedy")
+    with faults.COSMOS3_C1_FAULTS["stale-static-buffer"](eng):
+        got, steps = _reason_all(eng, reqs)
+        assert {d["graph"] for d in steps} == {"replayed"}
+        assert [x["tokens"] for x in got] != want
+        assert any(torch.equal(x["logits"][1], x["logits"][2]) for x in got)   # replayed on the first inputs
+    got, _ = _reason_all(eng, reqs)
+    assert [x["tokens"] for x in got] == want
+    pool = eng.loop("reasoning").pool
+    assert pool.scratch_block not in pool.free_blocks and pool.num_free == pool.num_blocks

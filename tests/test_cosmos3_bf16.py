@@ -172,7 +172,33 @@ def test_greedy_flip_beyond_noise_fails():
     assert not bad["g:tokens"].passed and "raised by 1 > 2 x noise 0.2" in bad["g:tokens"].detail
     assert bad["g:sampler"].passed  # the engine's pick does follow the rule on its own logits
     ok = {c.name: c for c in ar.compare_reasoning("g", got, req, Oracle(), want, tol, 0.6)}
-    assert ok["g:tokens"].passed and "near ties at token 0 (raise 1)" in ok["g:tokens"].detail
+    assert ok["g:tokens"].passed and "near ties at token 0 (raise 1, logits within 1.5)" in ok["g:tokens"].detail
+
+
+def test_sampled_flip_within_noise_is_a_near_tie_even_when_one_raise_is_not():
+    """Inverse-CDF sampling under top-p moves with several logits at once: engine logits within noise 0.1 of the
+    reference's at every element pick token 5 where the reference picks 2, yet raising token 5 alone needs 0.40 >
+    2 x 0.1. The engine's logits are the witness: accepted at noise 0.1, refused at noise 0.07 (they differ by
+    0.08) with both figures reported."""
+    x = torch.tensor([0.2, -0.1, -0.1, -1.8, 0.3, 0.9])
+    engine = x + torch.tensor([0.02, 0.08, 0.06, -0.05, -0.04, 0.02])
+
+    class Oracle(ar.ReferenceOracle):
+        def __init__(self):
+            super().__init__(None)
+
+        def logits(self, context):
+            return x.clone()
+    req = ReasonRequest(torch.tensor([2]), 1, temperature=1.5, top_p=0.7, seed=0)
+    state = torch.Generator().manual_seed(0).get_state()
+    assert ar._pick(x, req, state) == 2 and ar._pick(engine, req, state) == 5
+    assert ar.raise_needed(x, 5, req, state) > 0.4
+    got, want, tol = {"tokens": [5], "logits": [engine]}, ar.ReasonResult(tokens=[2]), Tolerance(max_abs=10.0)
+    ok = {c.name: c for c in ar.compare_reasoning("s", got, req, Oracle(), want, tol, 0.1)}
+    assert ok["s:tokens"].passed and ok["s:sampler"].passed, ok["s:tokens"].detail
+    assert "logits within 0.08" in ok["s:tokens"].detail
+    bad = {c.name: c for c in ar.compare_reasoning("s", got, req, Oracle(), want, tol, 0.07)}
+    assert not bad["s:tokens"].passed and "differ by 0.08 > noise 0.07" in bad["s:tokens"].detail
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """A block-based KV cache pool for autoregressive decoding (vLLM-style paging, no prefix sharing yet).
 
 Each request holds a list of fixed-size blocks, reserved at admission for its whole budget (prompt + max
-new tokens) and returned on completion or cancellation. Tensors: [layers, blocks, block_size, kv_heads, d].
+new tokens) and returned on completion or cancellation. Tensors: [layers, blocks + 1, block_size, kv_heads, d]: the
+last block (`scratch_block`) is never handed out; the pad rows of a decode step padded to its shape bucket write and
+read there, so a static-shape step never touches a real request's blocks.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ class KVPoolExhausted(RuntimeError):
 class KVBlockPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", extra_keys: bool = False):
-        shape = (num_layers, num_blocks, block_size, kv_heads, head_dim)
+        shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)   # + the scratch block
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # a second key tensor when the model keeps another view of its keys (cosmos3: keys as gen sees them)
         self.k_extra = torch.zeros(shape, dtype=dtype, device=device) if extra_keys else None
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.bytes_per_block = (3 if extra_keys else 2) * num_layers * block_size * kv_heads * head_dim * \
             torch.finfo(dtype).bits // 8

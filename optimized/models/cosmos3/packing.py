@@ -158,6 +158,9 @@ def timestep_embedding_rows(layout: PackedLayout) -> torch.Tensor:
 # Shape buckets of the gen stream (the padded batch the step body runs on): per-sample text keys padded to a
 # multiple of 16, gen tokens to a multiple of 64 (a 960-token 720p-class sample is exactly one bucket).
 COSMOS3_BUCKETS = ShapeBuckets(multiple={"text": 16, "gen": 64})
+# AR decode steps: batch rows to a power of two up to 32, context blocks to 4 / 8 / 16 / 32, then multiples of 32
+AR_DECODE_BUCKETS = ShapeBuckets(edges={"batch": (1, 2, 4, 8, 16, 32), "blocks": (4, 8, 16, 32)},
+                                 multiple={"batch": 32, "blocks": 32})
 
 
 def sample_signature(x: Cosmos3ForwardInputs) -> tuple:

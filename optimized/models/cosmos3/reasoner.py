@@ -7,6 +7,12 @@ reserved at admission for prompt + max_new_tokens and returned on completion or 
 reasoning ends, the request's whole text (prompt + generated) can be exported as an und-stream cache entry
 for the generator: the und stream is causal, so its K/V are the same whether built token by token or at once.
 
+Decode steps run one static-shape body per **shape bucket** (`packing.AR_DECODE_BUCKETS`: batch rows and context
+blocks padded; pad rows write and read the pool's scratch block, pad keys are masked) through the model's
+`CompileCache`, so `configure_graph` makes them compiled or captured like the gen step: every host-side table
+(tokens, positions, write slots, block tables, key mask) is built before the body as small device tensors, the body
+itself has no host sync. Prefill is varlen and runs eager (once per request).
+
 Steps are functional: `run_step` returns new states (new token lists, a cloned generator) and never changes the
 states it is given; its only side effect, writing K/V into the request's blocks at the positions its input state
 names, is the same however often the step is re-run from that state (so a batch that fails part-way and is re-run
@@ -24,7 +30,9 @@ import torch.nn.functional as F
 from manifests import ManifestError
 from manifests.cosmos3.reasoning import ReasonRequest
 from optimized.models.cosmos3 import ops, packing
+from optimized.attention import attend
 from optimized.models.cosmos3.model import Cosmos3Fast, UndKV
+from optimized.runtime.compile import GraphKey
 from optimized.runtime.kv import KVBlockPool
 from optimized.runtime.loop import LoopKernel, RequestEstimate, ResourceRequest, WorkPlan
 
@@ -91,6 +99,8 @@ class ARDecodeLoop(LoopKernel[ARState]):
         self.pool = KVBlockPool(cfg.num_layers, kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 fast.dtype, fast.device, extra_keys=cfg.has_und_k_norm_for_gen)
         self.axis = ops.mrope_axis_of_column(cfg.head_dim // 2, cfg.rope_axes_dim)
+        self.axis_on_device = self.axis.to(fast.device)   # read inside the decode body: no host copy there
+        self.last_step_info: dict[str, str] = {}
 
     # ---- request -> state
     @staticmethod
@@ -164,8 +174,12 @@ class ARDecodeLoop(LoopKernel[ARState]):
         with torch.inference_mode():
             if plans[0].phase == "ar_prefill":
                 cached, logits = self._prefill(states)
+                self.last_step_info = {"graph": "eager", "bucket": f"ar_prefill;tokens={sum(cached)}",
+                                       "graph_cache": "varlen"}
             else:
                 cached, logits = self._decode(states)
+        for p in plans:  # trace.step says how the body ran: graph (eager/compiled/replayed), bucket, graph_cache
+            p.info.update(self.last_step_info)
         return [self._sample(s, c, x) for s, c, x in zip(states, cached, logits)]
 
     def _prefill(self, states: Sequence[ARState]) -> tuple[list[int], torch.Tensor]:
@@ -181,12 +195,46 @@ class ARDecodeLoop(LoopKernel[ARState]):
         return [bounds[i + 1] - bounds[i] for i in range(len(states))], logits
 
     def _decode(self, states: Sequence[ARState]) -> tuple[list[int], torch.Tensor]:
-        """One new token per request: its K/V appended to the request's blocks, attention over them."""
-        fast, cfg = self.fast, self.fast.cfg
-        x = F.embedding(torch.tensor([s.tokens[-1] for s in states], device=fast.device),
-                        fast.params["embed_tokens.weight"])
-        pos = torch.cat([text_positions(cfg, s.cached, 1) for s in states], dim=1)
-        cos, sin = fast._rope_tables(pos, self.axis)
+        """One new token per request: its K/V written to the request's blocks, attention over them; one padded
+        batch through the decode body of its bucket (eager / compiled / replayed per the model's graph mode)."""
+        fast, pool = self.fast, self.pool
+        buckets = packing.AR_DECODE_BUCKETS
+        B = len(states)
+        rows = buckets.pad("batch", B)
+        blocks = buckets.pad("blocks", max(pool.blocks_for(s.cached + 1) for s in states))
+        scratch = pool.scratch_block
+        # host-side tables of this step (pad rows: token 0 at position 0, writing and reading the scratch block)
+        tokens = torch.zeros(rows, dtype=torch.int64)
+        tokens[:B] = torch.tensor([s.tokens[-1] for s in states])
+        pos = torch.cat([text_positions(fast.cfg, s.cached, 1) for s in states]
+                        + [text_positions(fast.cfg, 0, 1)] * (rows - B), dim=1)
+        table = torch.full((rows, blocks), scratch, dtype=torch.int64)
+        for i, s in enumerate(states):
+            n = min(blocks, len(s.blocks))
+            table[i, :n] = torch.tensor(s.blocks[:n])
+        where = torch.tensor([s.cached for s in states] + [0] * (rows - B))
+        slot_block = table.gather(1, (where // pool.block_size)[:, None])[:, 0]
+        slot_offset = where % pool.block_size
+        key_mask = (torch.arange(blocks * pool.block_size)[None] <= where[:, None]).view(rows, 1, 1, -1)
+        args = tuple(t.to(fast.device) for t in (tokens, pos, slot_block, slot_offset, table, key_mask))
+        key = GraphKey(family="cosmos3", variant=fast.variant_name, weights_version=fast.weights_version,
+                       dtype=str(fast.dtype).removeprefix("torch."), device=str(fast.device),
+                       bucket=f"ar_token;B={rows};blocks={blocks}x{pool.block_size}", batch_size=rows,
+                       cfg_policy="none", attention=fast.attention, mode=fast.graph_mode)
+        runner, info = fast.graph_cache.step(key, self.decode_body, args)
+        (logits,) = runner(*args)
+        self.last_step_info = info.as_dict()
+        return [s.cached + 1 for s in states], logits[:B]
+
+    def decode_body(self, tokens: torch.Tensor, pos: torch.Tensor, slot_block: torch.Tensor,
+                    slot_offset: torch.Tensor, table: torch.Tensor, key_mask: torch.Tensor) -> tuple[torch.Tensor]:
+        """The decode step body on static per-bucket shapes: tokens [R], pos [3, R], write slot (block, offset)
+        [R], block table [R, NB], key mask [R, 1, 1, NB * block_size] -> fp32 logits [R, vocab]. Its one side
+        effect, writing each row's K/V into the pool, is the same whenever the body is re-run on the same inputs."""
+        fast, pool = self.fast, self.pool
+        R = tokens.shape[0]
+        x = F.embedding(tokens, fast.params["embed_tokens.weight"])
+        cos, sin = fast._rope_tables(pos, self.axis_on_device)
         for li, layer in enumerate(fast.layers):
             w = layer["und"]
             q, k, v = fast._qkv(x, w)
@@ -194,15 +242,16 @@ class ARDecodeLoop(LoopKernel[ARState]):
                 q, k = fast._norm(q, w.q_norm), fast._norm(k, w.k_norm)
             k4g = fast._norm(k, w.k_norm_for_gen) if w.k_norm_for_gen is not None else None
             q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-            k4g = ops.apply_rope(k4g, cos, sin) if k4g is not None else k
-            outs = []
-            for i, s in enumerate(states):
-                self.pool.write(li, s.blocks, s.cached, k[i:i + 1], v[i:i + 1], k4g[i:i + 1])
-                ck, cv = self.pool.read(li, s.blocks, s.cached + 1)
-                outs.append(fast._attend(q[i:i + 1], ck, cv, causal=False))
-            x = x + F.linear(torch.cat(outs), w.o_w, w.o_b)
+            pool.k[li, slot_block, slot_offset] = k
+            pool.v[li, slot_block, slot_offset] = v
+            if pool.k_extra is not None:
+                pool.k_extra[li, slot_block, slot_offset] = ops.apply_rope(k4g, cos, sin) if k4g is not None else k
+            ck = pool.k[li][table].flatten(1, 2).transpose(1, 2)      # [R, K, NB * block_size, d]
+            cv = pool.v[li][table].flatten(1, 2).transpose(1, 2)
+            o = attend(q[:, :, None], ck, cv, key_mask=key_mask, backend=fast.attention)   # [R, H, 1, d]
+            x = x + F.linear(o.reshape(R, -1), w.o_w, w.o_b)
             x = x + fast._mlp(x, w)
-        return [s.cached + 1 for s in states], self._logits(x)
+        return (self._logits(x),)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         p = self.fast.params

@@ -11,15 +11,24 @@ ENGINE's tokens (teacher-forced: its logits for the engine's context at each ste
            and max |diff| <= AR_LOGIT_NOISE (the measured per-element logit noise of the dtype);
   sampler  the reference's sampling rule on the ENGINE's logits, with the same seeded draws, picks the engine's
            token (exact at any dtype: a sampler bug fails here whatever the logit noise);
-  tokens   the reference's rule on the REFERENCE's logits picks the same token, or the step was a near tie: the
-           reference rule, same draws, picks the engine's token once that token's logit is raised by at most
-           2 x AR_LOGIT_NOISE relative to every other (the most a per-element noise of AR_LOGIT_NOISE can move
-           one logit against another; found by bisection, exact for greedy / top-k / top-p as the pick is
-           monotone in that raise). A flip that needs more is a failure. After an accepted near tie the
-           comparison goes on along the engine's tokens and the check says where the paths parted.
+  tokens   the reference's rule on the REFERENCE's logits picks the same token, or the step was a near tie that
+           the engine's own sampling reproduces (the sampler check holds) and that logit noise explains: either
+             - the reference rule, same draws, picks the engine's token once that token's logit is raised by at
+               most 2 x AR_LOGIT_NOISE relative to every other (the most a per-element noise of AR_LOGIT_NOISE
+               can move one logit against another; found by bisection: the pick of that token is monotone in its
+               own raise), or
+             - the engine's logits themselves lie within AR_LOGIT_NOISE of the reference's at every element: they
+               are a perturbation inside the measured noise for which the rule picks the engine's token (needed
+               for sampled steps: an inverse-CDF draw and a top-p cut move with several logits at once, so one
+               logit's raise is not the worst case; seen at temperature 1.5 / top-p 0.7 in bf16, logits within
+               0.094 of the reference's while one logit alone needed a raise of 1.04).
+           A flip explained by neither is a failure. After an accepted near tie the comparison goes on along the
+           engine's tokens and the check says where the paths parted.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from dataclasses import dataclass, replace
 
@@ -166,7 +175,7 @@ def compare_reasoning(name: str, got: dict, req: ReasonRequest, oracle: Referenc
     stop_ok = (len(tokens) == req.max_new_tokens and eos not in tokens[:-1]) or \
         (0 < len(tokens) <= req.max_new_tokens and tokens[-1] == eos and eos not in tokens[:-1])
     flips = [i for i, s in enumerate(steps) if s.token != s.reference_token]
-    bad = [i for i in flips if _unexplained(steps[i], margin)]
+    bad = [i for i in flips if _unexplained(steps[i], noise)]
     if not stop_ok:
         tok = CheckResult(f"{name}:tokens", False, detail=f"engine stopped after {len(tokens)} tokens {tokens}; "
                           f"reference rule: EOS {eos} or {req.max_new_tokens} tokens",
@@ -175,17 +184,19 @@ def compare_reasoning(name: str, got: dict, req: ReasonRequest, oracle: Referenc
         i = bad[0]
         s = steps[i]
         why = (f"not a near tie: the reference picks {s.token} only with its logit raised by "
-               f"{_fmt(s.raise_needed)} > 2 x noise {margin:.3g}") if s.rule_on_engine == s.token else \
+               f"{_fmt(s.raise_needed)} > 2 x noise {margin:.3g}, and the engine's logits differ by "
+               f"{s.metrics.max_abs:.3g} > noise {noise:.3g}") if s.rule_on_engine == s.token else \
             (f"the rule on the engine's own logits picks {s.rule_on_engine}, not {s.token} (see :sampler; the "
              f"reference would need a raise of {_fmt(s.raise_needed)})")
         tok = CheckResult(f"{name}:tokens", False, detail=f"token {i}: engine {s.token} vs reference "
                           f"{s.reference_token}, {why}; engine {tokens} vs reference {want.tokens}",
                           divergence=f"token {i} ({phase(i)})")
     elif flips:
-        ties = ", ".join(f"token {i} (raise {_fmt(steps[i].raise_needed)})" for i in flips)
-        tok = CheckResult(f"{name}:tokens", True, detail=f"{len(tokens)} tokens; near ties at {ties} <= 2 x noise "
-                          f"{margin:.3g}; compared along the engine's tokens after: engine {tokens} vs reference "
-                          f"free run {want.tokens}")
+        ties = ", ".join(f"token {i} (raise {_fmt(steps[i].raise_needed)}, logits within "
+                         f"{steps[i].metrics.max_abs:.3g})" for i in flips)
+        tok = CheckResult(f"{name}:tokens", True, detail=f"{len(tokens)} tokens; near ties at {ties} (raise <= 2 x "
+                          f"noise {margin:.3g} or logits within noise {noise:.3g}); compared along the engine's "
+                          f"tokens after: engine {tokens} vs reference free run {want.tokens}")
     else:
         tok = CheckResult(f"{name}:tokens", True, detail=f"{len(tokens)} tokens identical")
     tok.extra = {"flips": {i: steps[i].raise_needed for i in flips}, "noise": noise}  # token -> raise needed
@@ -206,9 +217,11 @@ def compare_reasoning(name: str, got: dict, req: ReasonRequest, oracle: Referenc
     return [tok, smp, lg]
 
 
-def _unexplained(step: ARStep, margin: float) -> bool:
-    """A flip is accepted only as a near tie the engine's own sampling reproduces."""
-    return not (step.rule_on_engine == step.token and step.raise_needed <= margin)
+def _unexplained(step: ARStep, noise: float) -> bool:
+    """A flip is accepted only as a near tie the engine's own sampling reproduces and logit noise explains: one
+    logit's raise within 2 x noise, or the engine's logits as a witness within noise of the reference's."""
+    explained = step.raise_needed <= 2 * noise or step.metrics.max_abs <= noise
+    return not (step.rule_on_engine == step.token and explained)
 
 
 def _fmt(x: float) -> str:
@@ -224,27 +237,49 @@ def ar_tolerance(tol: Tolerance, dtype: torch.dtype) -> tuple[Tolerance, float]:
     return replace(tol, rel_l2=AR_LOGIT_REL_L2.get(dtype, tol.rel_l2), max_abs=noise), noise
 
 
+def decode_graph_check(name: str, graph: str, steps: list[dict]) -> CheckResult:
+    """Every AR decode step ran the asked graph kind (prefill is varlen and always eager), from trace.step."""
+    want = {"eager": "eager", "compile": "compiled", "cuda": "replayed"}[graph]
+    kinds = [(d.get("graph"), d.get("bucket"), d.get("graph_cache")) for d in steps if d.get("phase") == "ar_token"]
+    ok = bool(kinds) and all(k[0] == want for k in kinds)
+    seen = sorted({f"{k}@{b} {c}" for k, b, c in kinds})
+    return CheckResult(name, ok, detail=f"{len(kinds)} decode steps: " + "; ".join(seen))
+
+
 def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, tol, tol_c1,
-              progress, reqs: list[ReasonRequest] | None = None) -> list[CheckResult]:
+              progress, reqs: list[ReasonRequest] | None = None, graph: str = "eager",
+              plant=None) -> list[CheckResult]:
+    """`graph`: the engines' graph mode (their decode steps run it; checked from trace.step); `plant(engine)`: a
+    context manager planting a C1 fault in each engine built here (negative controls), or None."""
     checks: list[CheckResult] = []
     reqs = reqs if reqs is not None else ar_requests(cfg)
     tol, noise = ar_tolerance(tol, dtype)
     oracle = ReferenceOracle(reference)
     wants = [oracle.free_run(r) for r in reqs]
     compare_one = lambda name, got, i: compare_reasoning(name, got, reqs[i], oracle, wants[i], tol, noise)
+    steps: list[dict] = []
 
-    progress(f"[cosmos3 C1] {prefix}: reasoning solo and batched")
-    for i, r in enumerate(reqs):
+    def engine():
         eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
+        eng.model.configure_graph(graph)
+        eng.subscribe(lambda ev: steps.append(dict(ev.data)), prefix="trace.step")
+        return eng
+
+    planted = (lambda eng: contextlib.nullcontext()) if plant is None else plant
+    progress(f"[cosmos3 C1] {prefix}: reasoning solo and batched ({graph} decode steps)")
+    for i, r in enumerate(reqs):
+        eng = engine()
         try:
-            got = eng.reason(r, record_logits=True)
+            with planted(eng):
+                got = eng.reason(r, record_logits=True)
         except RuntimeError as e:  # a failed engine request is a failed check, not a crash of the run
             checks.append(CheckResult(f"{prefix}/ar/solo{i}:tokens", False, detail=str(e)))
             continue
         checks += compare_one(f"{prefix}/ar/solo{i}", got, i)
-    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
+    eng = engine()
     handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
-    eng.run_until_idle()
+    with planted(eng):
+        eng.run_until_idle()
     for i, h in enumerate(handles):
         if h.status != "completed":
             checks.append(CheckResult(f"{prefix}/ar/batched{i}:tokens", False,
@@ -252,15 +287,18 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
             continue
         checks += compare_one(f"{prefix}/ar/batched{i}", h.result(), i)
 
+    checks.append(decode_graph_check(f"{prefix}/ar/graph_{graph}", graph, steps))
+
     progress(f"[cosmos3 C1] {prefix}: reasoning mixed with denoising in one scheduler")
-    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
+    eng = engine()
     ticks: dict[str, set[int]] = {"ar": set(), "denoise": set()}
     eng.subscribe(lambda ev: ticks["ar" if ev.data.get("loop") == "cosmos3.ar_decode" else "denoise"].add(ev.tick),
                   prefix="trace.step")
     dn = [denoise_request(cfg, 40 + k) for k in range(2)]
     h_dn = [eng.submit(d, record_trajectory=True) for d in dn]
     h_ar = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
-    eng.run_until_idle()
+    with planted(eng):
+        eng.run_until_idle()
     for i, h in enumerate(h_ar):
         if h.status != "completed":
             checks.append(CheckResult(f"{prefix}/ar/mixed{i}", False, detail=f"engine request {h.status}"))
@@ -281,11 +319,12 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
                                      f"all requests completed"))
 
     progress(f"[cosmos3 C1] {prefix}: reason_then_generate on one instance")
-    eng = optimized.Engine.from_state_dict(cfg, state, device, dtype, kv_block_size=4, batching="greedy")
+    eng = engine()
     template = denoise_request(cfg, 50)
     prog = eng.reason_then_generate(reqs[0], template)
     try:
-        out = prog.result()
+        with planted(eng):
+            out = prog.result()
     except RuntimeError as e:  # a failed engine request
         return checks + [CheckResult(f"{prefix}/ar/reason_then_generate", False, detail=str(e))]
     want_gen = generate(reference, replace(template, text_ids=out["reasoning"]["text_ids"])).vision

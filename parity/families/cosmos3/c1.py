@@ -258,7 +258,8 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
             if wanted("ar"):
                 with fault_lib.planted_c1(fault, None):
                     report.checks += ar_checks(f"{vname}/{dname}", cfg, state, reference, dtype, device, c0_tol,
-                                               tol, progress, case_lib.ar_requests(cfg, cases, seed))
+                                               tol, progress, case_lib.ar_requests(cfg, cases, seed), graph=graph,
+                                               plant=fault_lib.ar_engine_planter(fault))
     if checkpoint is None:  # the anchors are tiny upstream models of their own, whatever the variants
         with fault_lib.planted_c1(fault, None):
             report.checks += upstream_anchor_checks([a for a in UPSTREAM_ANCHORS[cases] if wanted(a)], progress)

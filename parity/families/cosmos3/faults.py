@@ -213,9 +213,10 @@ def _batched_timestep_first(engine):
 
 @contextlib.contextmanager
 def _stale_static_buffer(engine) -> Iterator[None]:
-    """The captured gen step body replays on the previous call's inputs (no copy-in; emulated graph on CPU)."""
+    """The captured step bodies (gen step, AR decode step) replay on the previous call's inputs (no copy-in;
+    emulated graph on CPU)."""
     from parity.graph_faults import stale_static_buffer
-    if engine is None:  # the AR checks build engines of their own: their decode step is not captured
+    if engine is None:  # the AR checks build engines of their own: planted in each (ar_engine_planter)
         yield
         return
     with stale_static_buffer([engine.model]):
@@ -288,6 +289,15 @@ def planted_parallel(fault: str | None):
         from parity.parallel_faults import planted
         return planted(fault)
     return contextlib.nullcontext()
+
+
+# C1 faults also planted in every engine the AR checks build (their seams are in the decode step too)
+AR_ENGINE_FAULTS = ("stale-static-buffer",)
+
+
+def ar_engine_planter(fault: str | None):
+    """`plant(engine)` for ar.ar_checks: the fault planted in that engine when it applies to AR engines, else None."""
+    return (lambda engine: planted_c1(fault, engine)) if fault in AR_ENGINE_FAULTS else None
 
 
 @contextlib.contextmanager
