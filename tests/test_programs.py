@@ -181,6 +181,21 @@ def test_deployment_card_is_json_and_says_what_is_served():
     assert card["memory"]["budget_bytes"] == engine("tiny-2.1-t2v").scheduler.memory_budget_bytes
 
 
+def test_deployment_card_lists_the_captured_buckets():
+    """After a run whose step bodies were captured (emulated CUDA-graph replay on CPU), the card names each
+    bucket, per wan expert's cache; an eager engine lists none."""
+    from optimized.runtime.compile import CompileCache
+
+    eng = Engine.from_variant("tiny-2.1-t2v", seed=0)
+    assert eng.deployment_card()["buckets_captured"] == []
+    eng.model.configure_graph("cuda")
+    eng.model.dit.graph_cache = CompileCache(emulate_capture=True)
+    eng.generate(wan_request())
+    card = eng.deployment_card()
+    assert card["buckets_captured"] and {b["mode"] for b in card["buckets_captured"]} == {"cuda"}
+    assert all(b["bucket"] and b["batch_size"] >= 1 for b in card["buckets_captured"])
+
+
 @pytest.mark.parametrize("variant, tokenizer", [("tiny-2.1-t2v", "golden/wan/proc_umt5/upstream"),
                                                 ("tiny", "golden/cosmos3/proc_wordlevel_tiny/upstream")])
 def test_generate_from_a_prompt_through_the_family_processor(tmp_path, variant, tokenizer):

@@ -25,7 +25,7 @@ class DeploymentCard:
     programs: list[str]                   # the family's programs + "video" when a media chain is available
     dtypes: dict                          # component -> dtype
     device: str
-    buckets_captured: list                # graph-captured shape buckets (none yet: every step runs eagerly)
+    buckets_captured: list                # compiled / captured step bodies so far: {mode, bucket, batch_size, ...}
     parallel_plan: dict                   # axes and degrees ({} = single device)
     memory: dict                          # budget, reserved, peak (bytes), parameter bytes
     card_version: int = CARD_VERSION
@@ -93,6 +93,19 @@ def _parallel(engine: Any) -> dict:
     return {"group": type(group).__name__, "world_size": size() if callable(size) else size}
 
 
+def _graph_buckets(model: Any) -> list[dict]:
+    """The compiled (`compile`) or captured (`cuda`) step bodies held by the model's CompileCaches (the model's own
+    and its parts', e.g. each wan expert's), one entry per GraphKey; eager runners are not listed."""
+    from optimized.runtime.compile import CompileCache
+
+    owners = [model] + [v for v in vars(model).values() if hasattr(v, "graph_cache")]
+    caches = {id(c): c for o in owners if isinstance(c := getattr(o, "graph_cache", None), CompileCache)}
+    return sorted(({"mode": k.mode, "bucket": k.bucket, "batch_size": k.batch_size, "attention": k.attention,
+                    "dtype": k.dtype, "parallel_plan": k.parallel_plan_hash}
+                   for c in caches.values() for k in c.keys() if k.mode != "eager"),
+                  key=lambda d: (d["mode"], d["bucket"], d["batch_size"]))
+
+
 def deployment_card(engine: Any) -> DeploymentCard:
     entry, caps = engine.family, engine.family.capabilities
     capabilities = {"modalities": list(caps.modalities), "cfg_policies": list(caps.cfg_policies)}
@@ -113,7 +126,7 @@ def deployment_card(engine: Any) -> DeploymentCard:
         request_types=sorted(t.__name__ for t in entry.request_types),
         programs=sorted(entry.programs) + (["video"] if video else []),
         dtypes=_dtypes(engine.model), device=str(getattr(engine.model, "device", "cpu")),
-        buckets_captured=[], parallel_plan=_parallel(engine),
+        buckets_captured=_graph_buckets(engine.model), parallel_plan=_parallel(engine),
         memory={"budget_bytes": sched.memory_budget_bytes, "reserved_bytes": sched.reserved_bytes,
                 "peak_bytes": sched.peak_bytes, "parameter_bytes": _param_bytes(engine.model)},
         extra={"cfg_policy": engine.options.cfg_policy, "max_batch": sched.max_batch})
