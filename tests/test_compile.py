@@ -326,12 +326,16 @@ def test_graph_negative_controls_fail_c1(family, fault):
     assert any(c.name.endswith("/step1") for c in bad), [c.name for c in bad][:5]
 
 
-def test_wan_graph_mode_under_a_plan_is_refused():
+def test_cuda_graphs_under_a_plan_are_refused_naming_the_alternative():
+    """Plan ranks run on CPU (gloo): --graph cuda under a plan is a setup error that points to --graph compile."""
     from parity.errors import SetupError
-    from parity.families.wan.c1 import run_c1
+    from parity.families.cosmos3.parallel import run_c1 as cosmos3_c1
+    from parity.families.wan.c1 import run_c1 as wan_c1
 
-    with pytest.raises(SetupError, match="runs eagerly"):
-        run_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, None, lambda m: None, plan="ulysses2", graph="compile")
+    with pytest.raises(SetupError, match="use --graph compile"):
+        wan_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, None, lambda m: None, plan="ulysses2", graph="cuda")
+    with pytest.raises(SetupError, match="use --graph compile"):
+        cosmos3_c1(["tiny"], None, "cpu", ["fp32"], 0, None, lambda m: None, plan="ulysses2", graph="cuda")
 
 
 # ---- the AR decode step body (optimized/models/cosmos3/reasoner.py decode_body)

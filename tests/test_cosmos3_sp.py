@@ -140,9 +140,25 @@ def test_sp_forward_other_plans(plan, world):
         assert all(r["und_heads"] == [1, 1] for r in ranks)
 
 
-def c1(plan: str, fault: str | None = None, only=("t2v",)):
+def c1(plan: str, fault: str | None = None, only=("t2v",), graph: str = "eager"):
     from parity.families.cosmos3.parallel import run_c1
-    return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, only=only, plan=plan)
+    return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, only=only, plan=plan, graph=graph)
+
+
+def _compiled_on_every_rank(report, world: int) -> None:
+    rows = [c for c in report.checks if c.name.endswith("/graph_compile")]
+    assert {f"/rank{r}/" for r in range(world)} <= {f"/rank{c.name.split('/rank')[1].split('/')[0]}/" for c in rows}
+    assert all(c.passed and "compiled@" in c.detail and "graph breaks" in c.detail for c in rows), rows[0].detail
+
+
+@pytest.mark.dist
+def test_c1_ulysses2_compiled_passes_with_collectives_between_compiled_regions():
+    """--graph compile under a plan: every rank's step body is compiled (dynamo graphs > 0, its graph broken at each
+    collective, which runs eagerly with its byte count), every step within the loop tolerance of the reference."""
+    report = c1("ulysses2", graph="compile")
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+    _compiled_on_every_rank(report, 2)
+    assert all(c.passed for c in report.checks if c.name.endswith("/axes_exchanged"))
 
 
 @pytest.mark.dist
@@ -158,6 +174,23 @@ def test_c1_plan_passes(plan, only):
     assert any(f"/rank{world - 1}/" in n and n.endswith("/step3") for n in names)   # every rank, every step
     assert any("/vs_one_process:" in n for n in names)                              # SP=N vs one process
     assert any(n.endswith("/axes_exchanged") for n in names)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["ring2", "tp2", "cfgp2,ulysses2"])
+def test_c1_plan_compiled_passes(plan):
+    report = c1(plan, graph="compile")
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+    _compiled_on_every_rank(report, ParallelPlan.parse(plan).world_size)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_heads_permuted_fails_the_compiled_plan_too():
+    report = c1("ulysses2", "ulysses-heads-permuted", graph="compile")
+    bad = [c for c in report.checks if not c.passed and "/step" in c.name]
+    assert bad and any("step 0" in (c.divergence or "") for c in bad), [(c.name, c.divergence) for c in bad][:4]
 
 
 @pytest.mark.dist

@@ -69,6 +69,18 @@ def test_c1_ulysses2_passes_on_two_gloo_ranks():
     assert any("/sp_padded_2/rank1/" in n for n in names)                        # the padded loop ran and passed
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_c1_ulysses2_compiled_passes():
+    from parity.families.wan.c1 import run_c1
+    report = run_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, None, lambda m: None, plan="ulysses2",
+                    graph="compile")
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+    rows = [c for c in report.checks if c.name.endswith("/graph_compile")]
+    assert any("/rank1/" in c.name for c in rows)
+    assert all("compiled@" in c.detail and "graph breaks" in c.detail for c in rows)
+
+
 def test_four_head_variant_takes_ulysses4_where_two_heads_are_refused():
     from optimized.parallel.plan import ParallelPlanError
 

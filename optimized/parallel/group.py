@@ -68,6 +68,9 @@ class AxisGroup:
         n = dist.get_world_size()
         return cls(dist.get_rank(), n, dist.group.WORLD, dist.get_backend(), axis, tuple(range(n)))
 
+    # a compiled step body breaks its graph here: the collective runs eagerly, with its byte count, watchdog and
+    # one clear error (traced into the graph, a failure would surface as a raw gloo / NCCL error)
+    @torch.compiler.disable
     def _run(self, what: str, fn, sent: int = 0):
         self.stats["bytes_sent"] += sent
         if self.log is not None:

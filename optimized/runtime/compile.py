@@ -243,7 +243,8 @@ class CompileCache:
         if key.mode == "eager":
             runner = StepRunner(body, "eager")
         elif key.mode == "compile":
-            runner = StepRunner(compile_body(body), "compiled")
+            # under a plan the body holds collectives: they run eagerly between compiled regions (graph breaks)
+            runner = StepRunner(compile_body(body, fullgraph=key.parallel_plan_hash == "single"), "compiled")
         else:
             if not self.emulate_capture and not key.device.startswith("cuda"):
                 raise ValueError(f"graph mode 'cuda' needs a CUDA device, got {key.device}")
@@ -253,12 +254,14 @@ class CompileCache:
         return runner
 
 
-def compile_body(body: Body) -> Body:
-    """`torch.compile` with static shapes (one specialisation per bucket: the key already names the bucket)."""
+def compile_body(body: Body, fullgraph: bool = True) -> Body:
+    """`torch.compile` with static shapes (one specialisation per bucket: the key already names the bucket);
+    `fullgraph=False` lets the body break its graph (at a parallel plan's collectives, which then run eagerly with
+    their byte counts and watchdog, between compiled regions)."""
     import torch._dynamo
 
     # every bucket is one specialisation of the same code object: allow as many as the cache holds (why: the
     # default limit of 8 would silently fall back to eager after the 8th bucket)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(body, dynamic=False, fullgraph=True)
+    return torch.compile(body, dynamic=False, fullgraph=fullgraph)
 

@@ -426,6 +426,12 @@ class Cosmos3Fast:
             G = self._gen_layer(G, layer["gen"], text_k[li], text_v[li], key_mask, cos, sin)
         return (self._norm(G, self.params["gen_norm.weight"]),)
 
+    def sp_gen_body(self, G: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tensor, key_mask: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
+        """The step body under sequence parallelism (parallelize.py): this rank's gen rows through every layer, the
+        collectives between, the whole normed stream gathered back; same inputs and output as `gen_body`."""
+        return (self.sequence_parallel.gen_stream(self, G, text_k, text_v, key_mask, cos, sin),)
+
     # ------------------------------------------------------------------ decode
     def _decode(self, h: torch.Tensor, inputs: Sequence[Cosmos3ForwardInputs],
                 geo: packing.BatchGeometry) -> list[Cosmos3Prediction]:
@@ -481,9 +487,10 @@ class Cosmos3Fast:
         text_k, text_v = self._text_kv(und, geo.text_pad)
         spans = [geo.rows(s) for s in range(geo.batch)]
 
-        if trace is None and self.sequence_parallel is None:
+        if trace is None:
             args = (G, text_k, text_v, geo.key_mask, geo.cos, geo.sin)
-            runner, info = self.graph_cache.step(self.graph_key(geo), self.gen_body, args)
+            body = self.gen_body if self.sequence_parallel is None else self.sp_gen_body
+            runner, info = self.graph_cache.step(self.graph_key(geo), body, args)
             (G,) = runner(*args)
             self.last_step_info = info.as_dict()
         else:
@@ -500,14 +507,14 @@ class Cosmos3Fast:
                         trace(s, f"layers.{li}.gen", G[a:b])
                 per_layer = trace_layer
             if self.sequence_parallel is not None:  # this rank's gen rows (eager); the whole normed stream back
-                G = self.sequence_parallel.gen_stream(self, G, text_k, text_v, geo, per_layer)
+                G = self.sequence_parallel.gen_stream(self, G, text_k, text_v, geo.key_mask, geo.cos, geo.sin,
+                                                      per_layer)
             else:
                 for li, layer in enumerate(self.layers):
                     G = self._gen_layer(G, layer["gen"], text_k[li], text_v[li], geo.key_mask, geo.cos, geo.sin)
                     per_layer(li, G)
                 G = self._norm(G, self.params["gen_norm.weight"])
-            self.last_step_info = {"graph": "eager", "bucket": geo.bucket,
-                                   "graph_cache": "traced" if trace is not None else "sequence-parallel"}
+            self.last_step_info = {"graph": "eager", "bucket": geo.bucket, "graph_cache": "traced"}
         preds = self._decode(G, inputs, geo)
         for pr, st in zip(preds, und_status):
             pr.extras["und_cache"] = st

@@ -18,7 +18,9 @@ What is sharded, per gen layer (primitives of optimized/parallel/sp.py):
     gen keys passed around the ring, merged exactly (`attention_lse` / `merge_lse`).
 
 The last hidden state is all-gathered back to the whole [B * N, D] stream, so decoding is the single-device code.
-The SP step body runs eager (no graph capture under SP yet); under any plan the step body's GraphKeys name it.
+The SP step body (`Cosmos3Fast.sp_gen_body`) runs through the model's CompileCache like the single-device one;
+under a plan a compiled body breaks its graph at each collective (they run eagerly between compiled regions,
+optimized/runtime/compile.py), and every GraphKey names the plan.
 """
 
 from __future__ import annotations
@@ -96,19 +98,22 @@ class GenSequenceParallel:
         return UndKV(heads(kv.k), heads(kv.v))
 
     # ---- the gen stream
-    def gen_stream(self, fast: Any, G: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tensor, geo: Any,
+    def gen_stream(self, fast: Any, G: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tensor,
+                   key_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    per_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         """Every gen layer and the final norm on this rank's rows of G [B * N, D]; returns the whole normed
-        [B * N, D] on every rank. text_k / text_v [layers, B, T, K_local, d] (already head-sharded); `per_layer(li,
-        whole G)` for traces (gathers every layer, so only when tracing)."""
-        B, N, T, D = geo.batch, geo.gen_pad, geo.text_pad, G.shape[1]
+        [B * N, D] on every rank. The inputs of the single-device step body (the bucket's shapes say B, T, N):
+        text_k / text_v [layers, B, T, K_local, d] (already head-sharded), key_mask [B, 1, 1, T + N], cos / sin
+        [B * N, d]; `per_layer(li, whole G)` for traces (gathers every layer, so only when tracing)."""
+        B, T, D = text_k.shape[1], text_k.shape[2], G.shape[1]
+        N = key_mask.shape[-1] - T
         index, n = sp.sp_index(self.mesh)
         rows = lambda t: sp.shard_sequence(t.view(B, N, -1), n, index, 1)  # noqa: E731 - [B, S, *] local rows
         x = rows(G)
         S = x.shape[1]
         x = x.reshape(B * S, D)
-        cos, sin = (rows(t).reshape(B * S, -1) for t in (geo.cos, geo.sin))
-        mask = geo.key_mask.reshape(B, T + N)
+        cos, sin = (rows(t).reshape(B * S, -1) for t in (cos, sin))
+        mask = key_mask.reshape(B, T + N)
         gen_mask, _ = sp.pad_to_multiple(mask[:, T:], n, 1)               # SP pad rows are keys nobody attends
         attention = GenAttention(self.mesh, mask[:, :T], gen_mask, fast.attention)
         for li, layer in enumerate(fast.layers):

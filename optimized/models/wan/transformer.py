@@ -247,11 +247,12 @@ class WanDiTFast:
                        dtype=str(self.dtype).removeprefix("torch."), device=str(self.device), bucket=shape,
                        batch_size=x.shape[0], cfg_policy=self.cfg_policy_name, attention=self.attention,
                        mode=self.graph_mode)
+        stack = self.blocks_body if self._sp_degree() == 1 else self.sp_blocks_body
         if img is None:  # a captured graph takes tensors only
-            body = lambda x, ctx, tp, cos, sin: self.blocks_body(x, ctx, None, tp, cos, sin)  # noqa: E731
+            body = lambda x, ctx, tp, cos, sin: stack(x, ctx, None, tp, cos, sin)  # noqa: E731
             args = (x, ctx, timestep_proj, *rope)
         else:
-            body, args = self.blocks_body, (x, ctx, img, timestep_proj, *rope)
+            body, args = stack, (x, ctx, img, timestep_proj, *rope)
         runner, info = self.graph_cache.step(key, body, args)
         self.last_step_info = info.as_dict()
         return runner(*args)[0]
@@ -372,11 +373,11 @@ class WanDiTFast:
             full = torch.cat([img, ctx], dim=1)
             img, ctx = full[:, :img.shape[1]], full[:, img.shape[1]:]
 
-        if self._sp_degree() > 1:
-            x = self._sp_blocks(x, ctx, img, timestep_proj, rope, trace)
-        elif trace is None and self.tp is None:
+        if trace is None:   # through the CompileCache (under a plan a compiled stack breaks at each collective)
             x = self._run_blocks(x, ctx, img, timestep_proj, rope)
-        else:   # traced, or tensor parallel (eager: the blocks hold collectives)
+        elif self._sp_degree() > 1:
+            x = self._sp_blocks(x, ctx, img, timestep_proj, rope, trace)
+        else:   # traced: eager, block by block
             for i, block in enumerate(self.blocks):
                 x = self._block_forward(block, x, ctx, img, timestep_proj, rope)
                 if trace is not None:
@@ -407,8 +408,13 @@ class WanDiTFast:
         x = torch.cat(r.all_gather(x.contiguous()), 1)
         return x[:, :tokens]
 
+    def sp_blocks_body(self, x: torch.Tensor, ctx: torch.Tensor, img: torch.Tensor | None,
+                       timestep_proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
+        """The step body under sequence parallelism: same inputs and output as `blocks_body`."""
+        return (self._sp_blocks(x, ctx, img, timestep_proj, (cos, sin), None),)
+
     def _sp_blocks(self, x, ctx, img, timestep_proj, rope, trace: dict | None) -> torch.Tensor:
-        """The block stack on this rank's token chunk (eager); the whole sequence back, trimmed of its padding."""
+        """The block stack on this rank's token chunk; the whole sequence back, trimmed of its padding."""
         mesh, (B, N, _) = self.sp_mesh, x.shape
         index, n = sp_index(mesh)
         x = shard_sequence(x, n, index, 1)

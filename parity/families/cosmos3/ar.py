@@ -42,6 +42,7 @@ from manifests.parity import Tolerance
 from parity.errors import SetupError
 from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3.common import load_reference
+from parity.graph_checks import graph_kinds_check
 from parity.metrics import Metrics, compare, within
 from parity.report import CheckResult
 
@@ -239,11 +240,10 @@ def ar_tolerance(tol: Tolerance, dtype: torch.dtype) -> tuple[Tolerance, float]:
 
 def decode_graph_check(name: str, graph: str, steps: list[dict]) -> CheckResult:
     """Every AR decode step ran the asked graph kind (prefill is varlen and always eager), from trace.step."""
-    want = {"eager": "eager", "compile": "compiled", "cuda": "replayed"}[graph]
     kinds = [(d.get("graph"), d.get("bucket"), d.get("graph_cache")) for d in steps if d.get("phase") == "ar_token"]
-    ok = bool(kinds) and all(k[0] == want for k in kinds)
-    seen = sorted({f"{k}@{b} {c}" for k, b, c in kinds})
-    return CheckResult(name, ok, detail=f"{len(kinds)} decode steps: " + "; ".join(seen))
+    check = graph_kinds_check(name, graph, kinds)
+    check.detail = f"{len(kinds)} decode steps: {check.detail}"
+    return check
 
 
 def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, tol, tol_c1,

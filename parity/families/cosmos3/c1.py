@@ -35,6 +35,7 @@ from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, rep
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
+from parity.graph_checks import dynamo_counts, graph_kinds_check
 from parity.report import CheckResult, Report
 
 import optimized
@@ -245,11 +246,9 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
                                               e=eng_run, c=case: localise_step(reference, engine, req, r, e, step,
                                                                                c0_tol, dtype, peers, c.cfg_policy))
                         if graph != "eager":  # the step body really ran the asked graph, bucket by bucket
-                            want = {"compile": "compiled", "cuda": "replayed"}[graph]
-                            kinds = eng_run.extra.get("graphs", [])
-                            ok = bool(kinds) and all(k[0] == want for k in kinds)
-                            checks.append(CheckResult(f"{prefix}/graph_{graph}", ok, detail="; ".join(
-                                f"{k}@{b} {c}" for k, b, c in kinds)))
+                            checks.append(graph_kinds_check(f"{prefix}/graph_{graph}", graph,
+                                                            eng_run.extra.get("graphs", []),
+                                                            dynamo_counts() if graph == "compile" else None))
                         if len(case.requests) > 1 and (case.name == "concurrent3" or "batch_position" in case.rules):
                             batched = max(eng_run.extra["batch_sizes"]) > 1
                             checks.append(CheckResult(f"{prefix}/batched_with_others", batched,

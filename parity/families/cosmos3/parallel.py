@@ -35,6 +35,7 @@ from parity.families.cosmos3.c1 import (compare_runs, forward_inputs, loop_cases
 from parity.families.cosmos3.cases import STEPS
 from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, resolve_models
 from parity.family import DTYPE_NAMES, DTYPES
+from parity.graph_checks import dynamo_counts, graph_kinds_check
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
 from parity.report import CheckResult, Report
@@ -51,13 +52,14 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
         models = resolve_models(variants, checkpoint, seed)
         parsed = parse_plan(plan or "", models, device, fault)
         if parsed.world_size > 1:
-            if graph != "eager":
-                raise SetupError(f"--graph {graph} under a plan is not implemented for cosmos3 yet (SP runs eager)")
+            if graph == "cuda":
+                raise SetupError("--graph cuda under a plan needs CUDA ranks (NCCL); plan ranks run on CPU (gloo): "
+                                 "use --graph compile")
             report = Report("cosmos3", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                               "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint,
-                                              "fault": fault, "steps": STEPS, "cases": cases})
+                                              "fault": fault, "steps": STEPS, "cases": cases, "graph": graph})
             return run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress, cases,
-                               lambda name: only is None or any(name.startswith(o) for o in only))
+                               lambda name: only is None or any(name.startswith(o) for o in only), graph)
     return one_process.run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph, cases, only)
 
 
@@ -114,9 +116,10 @@ def _rank_engine(cfg, state, dname: str, policy, mesh, checkpoint: str | None):
 
 
 def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fault: str | None,
-                 probes: list[list[list[Probe]]], checkpoint: str | None = None) -> list:
+                 probes: list[list[list[Probe]]], checkpoint: str | None = None, graph: str = "eager") -> list:
     """This rank's runs of every case and its traces on the probe inputs: [(runs, [[(branch, trace)] per step])].
-    `checkpoint` (tp > 1): the canonical transformer directory this rank reads its tp slices from (`state` None)."""
+    `checkpoint` (tp > 1): the canonical transformer directory this rank reads its tp slices from (`state` None);
+    `graph`: how the step body runs under the plan (eager / compile; traces always run eager)."""
     from optimized.parallel.cfg_parallel import CFGParallel
     from optimized.parallel.mesh import build_mesh
 
@@ -129,6 +132,7 @@ def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fau
             sent = {a: mesh.axis(a).stats["bytes_sent"] for a, _ in plan.active_axes}
             engine = _rank_engine(cfg, state, dname, policy, mesh, checkpoint)
             engine.family.parallelize(engine.model, mesh)
+            engine.model.configure_graph(graph, cfg_policy=getattr(policy, "name", policy))
             runs = run_engine_case(engine, case)
             traces = []
             for step_probes in case_probes:
@@ -140,13 +144,15 @@ def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fau
                     per_branch.append((branch, rec.records))
                 traces.append(per_branch)
             used = {a: mesh.axis(a).stats["bytes_sent"] - sent[a] for a in sent}   # bytes each axis sent
+            if graph == "compile":  # what dynamo really compiled on this rank (a silent eager run would show 0)
+                runs[0].extra["dynamo"] = dynamo_counts()
             out.append((runs, traces, used))
     return out
 
 
 def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, dtypes: list[str], seed: int,
                 fault: str | None, progress: Callable[[str], None], cases: str = "ci",
-                wanted: Callable[[str], bool] = lambda name: True) -> Report:
+                wanted: Callable[[str], bool] = lambda name: True, graph: str = "eager") -> Report:
     import optimized
     from optimized.parallel.launch import run_ranks
 
@@ -168,7 +174,8 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                 ckpt = str(write_canonical_transformer(cfg, state, Path(tmp) / "transformer")) if plan.tp > 1 \
                     else None
                 ranks = run_ranks(_rank_worker, plan.world_size, (plan.name(), cfg, None if ckpt else state, dname,
-                                                                  todo, fault, probes, ckpt), timeout_s=RANK_TIMEOUT_S)
+                                                                  todo, fault, probes, ckpt, graph),
+                                  timeout_s=RANK_TIMEOUT_S)
             for c, case in enumerate(todo):
                 engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy,
                                                           batching="greedy")
@@ -190,6 +197,10 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                                                                            c0_tol, r) if k == 0 else
                             f"step {step} (rank {r}; layers are traced for the case's first request only)")
                         report.checks += _vs_one_process(f"{prefix}/rank{r}{sub}", eng_run, one[k], tol, plan)
+                        if graph != "eager":  # every step of this rank ran the asked graph, with the plan in its key
+                            report.checks.append(graph_kinds_check(f"{prefix}/rank{r}{sub}/graph_{graph}", graph,
+                                                                   eng_run.extra.get("graphs", []),
+                                                                   rank[c][0][0].extra.get("dynamo")))
                     finals = [rank[c][0][k].trajectory[-1] if rank[c][0][k].trajectory else None for rank in ranks]
                     agree = all(f is not None and f.keys() == finals[0].keys() and
                                 all(torch.equal(f[m], finals[0][m]) for m in f) for f in finals)

@@ -36,6 +36,7 @@ from parity.families.wan.common import (DEFAULT_VARIANTS, DiTInputs, contract_to
                                         optimized_step_input, reference_pipeline, resolve_models,
                                         run_optimized_dit, run_reference_dit)
 from parity.family import DTYPES, golden_probe
+from parity.graph_checks import dynamo_counts, graph_kinds_check
 from parity.localise import first_divergence
 from parity.metrics import compare, exact, within
 from parity.report import CheckResult, Report
@@ -269,8 +270,9 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
     """`plan` (e.g. "ulysses2", "cfgp2,ulysses2"): every rank of the plan on gloo vs the reference (parallel.py).
     `cases`: the case matrix ("ci": every rule once, "full": every draw and batch position; cases.py)."""
     faults.check_fault(fault, "C1", faults.C1_FAULTS)
-    if graph != "eager" and plan:  # `graph`: how the engine's DiT block stack runs (eager, compile, cuda)
-        raise SetupError(f"--graph {graph} with --plan {plan}: the sequence-parallel block stack runs eagerly")
+    if graph == "cuda" and plan:  # `graph`: how the engine's DiT block stack runs (eager, compile, cuda)
+        raise SetupError(f"--graph cuda with --plan {plan}: plan ranks run on CPU (gloo); CUDA graph capture needs "
+                         f"CUDA ranks (NCCL): use --graph compile")
     if cases not in case_lib.MATRICES:
         raise SetupError(f"unknown case matrix {cases!r}; known: {', '.join(case_lib.MATRICES)}")
     models = resolve_models(variants, checkpoint, seed, kinds=("model",))
@@ -280,8 +282,8 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
         if parsed.world_size > 1:
             report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                           "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
-                                          "steps": STEPS, "reference": "fp32 CPU"})
-            return parallel.run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress)
+                                          "steps": STEPS, "reference": "fp32 CPU", "graph": graph})
+            return parallel.run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress, graph)
     if fault == "expert-switch-late" and not any(m.cfg.two_experts for m in models):
         raise SetupError("fault expert-switch-late needs a two-expert variant (e.g. tiny-2.2-t2v-a14b)")
     report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
@@ -311,11 +313,9 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                         if case.boundary_step is not None:
                             report.checks.append(boundary_check(p, m.cfg, ref_run, case.boundary_step))
                         if graph != "eager":  # the block stack really ran the asked graph, step by step
-                            want = {"compile": "compiled", "cuda": "replayed"}[graph]
-                            kinds = eng_run.extra.get("graphs", [])
-                            report.checks.append(CheckResult(
-                                f"{p}/graph_{graph}", bool(kinds) and all(k[0] == want for k in kinds),
-                                detail="; ".join(f"{k}@{b} {c}" for k, b, c in kinds)))
+                            report.checks.append(graph_kinds_check(
+                                f"{p}/graph_{graph}", graph, eng_run.extra.get("graphs", []),
+                                dynamo_counts() if graph == "compile" else None))
                         if len(case.requests) > 1 and case.batched:
                             sizes = eng_run.extra["batch_sizes"]
                             report.checks.append(CheckResult(f"{p}/batched_with_others", max(sizes, default=0) > 1,

@@ -37,6 +37,7 @@ from parity.families.wan.c1 import (LoopCase, loop_cases, run_engine_case, run_r
 from parity.families.wan.common import (DiTInputs, ModelUnderTest, contract_tolerance, engine_for, make_request,
                                         reference_pipeline, run_optimized_dit, run_reference_dit)
 from parity.family import DTYPES
+from parity.graph_checks import dynamo_counts, graph_kinds_check
 from parity.localise import first_divergence
 from parity.metrics import compare, within
 from parity.report import CheckResult, Report
@@ -175,8 +176,10 @@ def _rank_engine(m: ModelUnderTest, mesh, dname: str, seed: int, policy, checkpo
 
 
 def _rank_worker(group, plan_text: str, models: list[ModelUnderTest], seed: int, dname: str, cases: list[LoopCase],
-                 fault: str | None, probes: list[list[tuple[int, DiTInputs]]], checkpoints: list[str | None]) -> list:
-    """This rank's runs of every case, and its DiT traces on the probe inputs: [(runs, [trace per step])]."""
+                 fault: str | None, probes: list[list[tuple[int, DiTInputs]]], checkpoints: list[str | None],
+                 graph: str = "eager") -> list:
+    """This rank's runs of every case, and its DiT traces on the probe inputs: [(runs, [trace per step])]; `graph`:
+    how the block stack runs under the plan (eager / compile; traces always run eager)."""
     from optimized.parallel.cfg_parallel import CFGParallel
     from optimized.parallel.mesh import build_mesh
 
@@ -188,6 +191,7 @@ def _rank_worker(group, plan_text: str, models: list[ModelUnderTest], seed: int,
             policy = CFGParallel(mesh.axis("cfgp")) if plan.cfgp > 1 else case.cfg_policy
             engine = _rank_engine(m, mesh, dname, seed, policy, checkpoint)
             engine.family.parallelize(engine.model, mesh)
+            engine.model.configure_graph(graph, cfg_policy=getattr(policy, "name", policy))
             traces = []
             with faults.planted_engine(fault, engine):
                 runs = run_engine_case(engine, case)
@@ -195,12 +199,14 @@ def _rank_worker(group, plan_text: str, models: list[ModelUnderTest], seed: int,
                     trace: dict = {}
                     run_optimized_dit(engine.model.expert(expert), x, trace)
                     traces.append({k: v.float() for k, v in trace.items()})
+            if graph == "compile":  # what dynamo really compiled on this rank (a silent eager run would show 0)
+                runs[0].extra["dynamo"] = dynamo_counts()
             out.append((runs, traces))
     return out
 
 
 def run_c1_plan(report: Report, models: list[ModelUnderTest], plan: ParallelPlan, device: str, dtypes: list[str],
-                seed: int, fault: str | None, progress: Callable[[str], None]) -> Report:
+                seed: int, fault: str | None, progress: Callable[[str], None], graph: str = "eager") -> Report:
     report.settings["plan"] = plan.name()
     with tempfile.TemporaryDirectory(prefix="fvparity-tp-") as tmp:
         for m in models:
@@ -208,12 +214,13 @@ def run_c1_plan(report: Report, models: list[ModelUnderTest], plan: ParallelPlan
             if plan.tp > 1 and not checkpoint:
                 progress(f"[wan C1] {m.name}: writing the weights as a canonical checkpoint for the tp ranks")
                 checkpoint = str(write_model_dir(m, Path(tmp) / m.name))
-            _run_model(report, m, plan, device, dtypes, seed, fault, progress, checkpoint)
+            _run_model(report, m, plan, device, dtypes, seed, fault, progress, checkpoint, graph)
     return report
 
 
 def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: str, dtypes: list[str], seed: int,
-               fault: str | None, progress: Callable[[str], None], checkpoint: str | None) -> None:
+               fault: str | None, progress: Callable[[str], None], checkpoint: str | None,
+               graph: str = "eager") -> None:
     from optimized.parallel.launch import run_ranks
 
     cases = plan_cases(m.cfg, plan)
@@ -231,7 +238,7 @@ def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: st
         progress(f"[wan C1] {m.name}/{dname}: plan {plan.name()} on {plan.world_size} gloo ranks, "
                  f"{len(cases)} cases")
         ranks = run_ranks(_rank_worker, plan.world_size,
-                          (plan.name(), models, seed, dname, cases, fault, probes, checkpoints),
+                          (plan.name(), models, seed, dname, cases, fault, probes, checkpoints, graph),
                           timeout_s=RANK_TIMEOUT_S)
         for c, case in enumerate(cases):
             pipe = pipes[c]
@@ -252,6 +259,10 @@ def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: st
                         report.checks.append(CheckResult(
                             f"{p}/vs_one_process", within(mt, tol), mt, tol,
                             detail=f"engine final latents, plan {plan.name()} vs one process"))
+                    if graph != "eager":  # every step of this rank ran the asked graph, with the plan in its key
+                        report.checks.append(graph_kinds_check(f"{p}/graph_{graph}", graph,
+                                                               eng_run.extra.get("graphs", []),
+                                                               rank[c][0][0].extra.get("dynamo")))
                 lat = [rank[c][0][k].latents for rank in ranks]
                 agree = all(x is not None and torch.equal(x, lat[0]) for x in lat)
                 report.checks.append(CheckResult(
