@@ -126,8 +126,10 @@ def list_cmd(probes: bool) -> None:
               help="Case matrix of families that generate their cases by rule (cosmos3, wan C0/C1): ci = every rule "
                    "once (the CI main job); full = every draw, batch position and config permutation.")
 @click.option("--graph", type=click.Choice(["eager", "compile", "cuda"]), default="eager", show_default=True,
-              help="How the optimized step body runs: eager, torch.compile per shape bucket, or captured CUDA graphs "
-                   "(levels that take it only, e.g. cosmos3 C1).")
+              help="How the optimized step bodies run: eager, torch.compile per shape bucket, or captured CUDA "
+                   "graphs (levels that take it only, e.g. cosmos3 / wan C1; cosmos3 C1 runs its AR decode steps "
+                   "the same way). Under --plan: eager or compile (collectives run eagerly between compiled "
+                   "regions); cuda needs CUDA ranks and is refused.")
 @click.option("--plan", default=None,
               help="A parallel plan, e.g. ulysses2, ring2, cfgp2 or cfgp2,ulysses2: its ranks are spawned on CPU "
                    "(gloo) and every rank is compared with the reference (levels that take it only, e.g. wan C1); "

@@ -41,6 +41,8 @@ def steps(device: str, quick: bool) -> list[tuple[str, list[str], int]]:
                                 "--graph", "cuda" if device != "cpu" else "eager"], 900),
         ("c1_graph_compile", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32",
                                    "--graph", "compile"], 900),
+        ("wan_c1_graph_cuda", fv + ["run", "wan", "--level", "C1", "--device", device, "--variant", "tiny-2.1-t2v",
+                                    "--graph", "cuda" if device != "cpu" else "eager"], 900),
         ("capture_tests", [py, "-m", "pytest", "-q", "-p", "no:xdist", "tests/test_compile.py", "-m", "gpu or not slow"],
          600),
         # the peer at released sizes, random weights (upstream extra): Cosmos3-Nano 720p, Wan2.1 VAE 480p 81 frames
