@@ -2,12 +2,12 @@
 exceeds them), o_proj / down_proj row-parallel, MLP gate / up column-parallel, in the und and gen pathways.
 
 Default run: the slice map (column / row / replicated, the KV replication rule); a canonical checkpoint read as each
-rank's slices only; invalid tp degrees refused at load with exit 2 naming the constraint; the AR decode loop refused
-under tp (not tensor-parallel); a tp2 forward on two gloo ranks equals one process (both pathways: the und stream
-computed and then served from the rank's own cache) while every rank holds only its slices. Slow + dist: tp4 (KV
-heads replicated), ulysses2 x tp2, C1 for tp2 / cfgp2,tp2 / ulysses2,tp2 (`fvparity run cosmos3 --level C1 --plan
-tp2`), and the negative control (a row-parallel shard loaded from the next rank's slice) failing at the named step
-and layer."""
+rank's slices only; invalid tp degrees refused at load with exit 2 naming the constraint; the AR decode loop under
+tp2 on two gloo ranks gives the one-process tokens and logits; a tp2 forward on two gloo ranks equals one process
+(both pathways: the und stream computed and then served from the rank's own cache) while every rank holds only its
+slices. Slow + dist: tp4 (KV heads replicated), ulysses2 x tp2, C1 for tp2 / cfgp2,tp2 / ulysses2,tp2 (`fvparity
+run cosmos3 --level C1 --plan tp2`), and the negative control (a row-parallel shard loaded from the next rank's
+slice) failing at the named step and layer."""
 
 from __future__ import annotations
 
@@ -115,15 +115,50 @@ def test_invalid_tp_refused_with_exit_2():
     assert "4 heads are not divisible by ulysses x tp = 1 x 3 = 3" in bad.stderr
 
 
-def test_ar_decode_loop_refused_under_tp():
-    from optimized.models.cosmos3 import FAMILY
-    from optimized.models.cosmos3.tp import set_tp_layout
-    from optimized.runtime.family import LoopOptions
+def _reason_records(eng, reqs) -> list[dict]:
+    handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
+    eng.run_until_idle()
+    return [h.result() for h in handles]
 
-    fast = model()
-    set_tp_layout(fast, FakeAxis(0, 2))
-    with pytest.raises(NotImplementedError, match="not tensor-parallel"):
-        FAMILY.loops["reasoning"](fast, LoopOptions())
+
+def _reason_requests(cfg):
+    from manifests.cosmos3.reasoning import ReasonRequest
+    g = torch.Generator().manual_seed(6)
+    return [ReasonRequest(prompt_ids=torch.randint(0, cfg.vocab_size, (9 + k,), generator=g), max_new_tokens=6,
+                          temperature=0.0 if k == 0 else 0.9, top_k=0 if k == 0 else 30, seed=k) for k in range(3)]
+
+
+def _tp_reason_worker(group, plan: str, variant: str) -> dict:
+    import optimized
+    from optimized.models.cosmos3 import FAMILY
+
+    fast = model(variant)
+    PARALLELISM(fast, build_mesh(ParallelPlan.parse(plan)))
+    eng = optimized.Engine(fast, FAMILY, kv_block_size=4, batching="greedy")
+    got = _reason_records(eng, _reason_requests(fast.cfg))
+    return {"tokens": [g["tokens"] for g in got], "logits": [torch.stack(g["logits"]) for g in got],
+            "pool_heads": eng.loop("reasoning").pool.k.shape[3],
+            "sent": fast.parallel_mesh.axis("tp").stats["bytes_sent"]}
+
+
+@pytest.mark.dist
+def test_ar_reasoning_under_tp2_equals_one_process():
+    """The AR decode loop under tp2: each rank's KV pool holds its KV head, o_proj / down_proj partial sums are
+    all-reduced; prefill + decode steps give the one-process tokens, and logits within 1e-6 (rel L2), on every
+    rank, for both variants (silu / relu2 with keys-for-gen)."""
+    import optimized
+    from optimized.models.cosmos3 import FAMILY
+    from optimized.parallel.launch import run_ranks
+
+    for variant in VARIANTS:
+        one = model(variant)
+        want = _reason_records(optimized.Engine(one, FAMILY, kv_block_size=4, batching="greedy"),
+                               _reason_requests(one.cfg))
+        for r in run_ranks(_tp_reason_worker, 2, ("tp2", variant), timeout_s=300):
+            assert r["pool_heads"] == 1 and r["sent"] > 0               # 1 of the 2 KV heads; partial sums moved
+            assert r["tokens"] == [w["tokens"] for w in want]
+            for got, w in zip(r["logits"], want):
+                assert rel_l2(got, torch.stack(w["logits"])) < 1e-6, variant
 
 
 def _tp_forward_worker(group, plan: str, variant: str) -> dict:

@@ -32,8 +32,6 @@ def _denoise(fast: Cosmos3Fast, opts: LoopOptions):
 
 
 def _reasoning(fast: Cosmos3Fast, opts: LoopOptions):
-    if fast.tp is not None:   # its KV pool and o_proj assume every head on this rank (tp.py covers the denoise loop)
-        raise NotImplementedError("cosmos3's AR decode (reasoning) loop is not tensor-parallel: run it with tp = 1")
     from optimized.models.cosmos3.reasoner import ARDecodeLoop
     return ARDecodeLoop(fast, opts.kv_blocks, opts.kv_block_size)
 

@@ -96,7 +96,8 @@ class ARDecodeLoop(LoopKernel[ARState]):
     def __init__(self, fast: Cosmos3Fast, kv_blocks: int = 512, block_size: int = 16):
         self.fast = fast
         cfg = fast.cfg
-        self.pool = KVBlockPool(cfg.num_layers, kv_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        # this rank's KV heads (all of them on one device; under tp its head slice, as the und cache holds)
+        self.pool = KVBlockPool(cfg.num_layers, kv_blocks, block_size, fast.num_kv_heads, cfg.head_dim,
                                 fast.dtype, fast.device, extra_keys=cfg.has_und_k_norm_for_gen)
         self.axis = ops.mrope_axis_of_column(cfg.head_dim // 2, cfg.rope_axes_dim)
         self.axis_on_device = self.axis.to(fast.device)   # read inside the decode body: no host copy there
@@ -129,7 +130,7 @@ class ARDecodeLoop(LoopKernel[ARState]):
         and V of the prefill (kept until written to the blocks), one row of fp32 logits."""
         cfg = self.fast.cfg
         elem = torch.finfo(self.fast.dtype).bits // 8
-        kv = 3 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        kv = 3 * cfg.num_layers * self.fast.num_kv_heads * cfg.head_dim
         return tokens * (8 * cfg.hidden_size + 2 * cfg.intermediate_size + kv) * elem + cfg.vocab_size * 4
 
     def estimate(self, job: ReasonJob | ReasonRequest) -> RequestEstimate:
@@ -249,7 +250,7 @@ class ARDecodeLoop(LoopKernel[ARState]):
             ck = pool.k[li][table].flatten(1, 2).transpose(1, 2)      # [R, K, NB * block_size, d]
             cv = pool.v[li][table].flatten(1, 2).transpose(1, 2)
             o = attend(q[:, :, None], ck, cv, key_mask=key_mask, backend=fast.attention)   # [R, H, 1, d]
-            x = x + F.linear(o.reshape(R, -1), w.o_w, w.o_b)
+            x = x + fast._out_proj(o.reshape(R, -1), w)   # row-parallel under tp (partial sums all-reduced)
             x = x + fast._mlp(x, w)
         return (self._logits(x),)
 
