@@ -234,6 +234,21 @@ def test_c1_tp_plan_passes(plan, only):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.parametrize("plan,graph", [("tp2", "compile"), ("ulysses2", "eager"), ("cfgp2,tp2", "eager")])
+def test_c1_plan_reasoning_rows(plan, graph):
+    """A plan run's AR rows: every rank's reasoning (head-sharded under tp, whole under SP / cfgp) vs the reference
+    by the one-process AR rule, and every decode step of every rank ran the asked graph."""
+    from parity.families.cosmos3.parallel import run_c1
+    report = run_c1(["tiny"], None, "cpu", ["fp32"], 0, None, lambda msg: None, only=("ar",), plan=plan, graph=graph)
+    assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+    world = ParallelPlan.parse(plan).world_size
+    names = {c.name for c in report.checks}
+    assert {f"tiny/fp32/{plan}/ar/rank{r}/graph_{graph}" for r in range(world)} <= names
+    assert any(f"/ar/rank{world - 1}/req" in n and n.endswith(":tokens") for n in names)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
 def test_tp_wrong_slice_fails_naming_step_and_layer():
     from parity.families.cosmos3.faults import PARALLEL_FAULT_DECLS
     where = next(f.divergence for f in PARALLEL_FAULT_DECLS if f.name == "tp-wrong-slice")

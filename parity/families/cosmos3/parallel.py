@@ -28,6 +28,7 @@ import torch
 from manifests.parity import load_parity_contract
 from optimized.parallel.plan import ParallelPlan, ParallelPlanError
 from parity.errors import SetupError
+from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3 import faults as fault_lib
 from parity.families.cosmos3 import c1 as one_process
 from parity.families.cosmos3.c1 import (compare_runs, forward_inputs, loop_cases, run_engine_case,
@@ -116,10 +117,13 @@ def _rank_engine(cfg, state, dname: str, policy, mesh, checkpoint: str | None):
 
 
 def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fault: str | None,
-                 probes: list[list[list[Probe]]], checkpoint: str | None = None, graph: str = "eager") -> list:
-    """This rank's runs of every case and its traces on the probe inputs: [(runs, [[(branch, trace)] per step])].
+                 probes: list[list[list[Probe]]], checkpoint: str | None = None, graph: str = "eager",
+                 ar_reqs: list | None = None) -> tuple[list, dict | None]:
+    """This rank's runs of every case and its traces on the probe inputs ([(runs, [[(branch, trace)] per step],
+    bytes per axis)]) and its reasoning results for `ar_reqs` (one engine, every request submitted at once: tokens,
+    logits and the decode steps' graph kinds), or None.
     `checkpoint` (tp > 1): the canonical transformer directory this rank reads its tp slices from (`state` None);
-    `graph`: how the step body runs under the plan (eager / compile; traces always run eager)."""
+    `graph`: how the step bodies run under the plan (eager / compile; traces always run eager)."""
     from optimized.parallel.cfg_parallel import CFGParallel
     from optimized.parallel.mesh import build_mesh
 
@@ -147,7 +151,22 @@ def _rank_worker(group, plan_text: str, cfg, state, dname: str, cases: list, fau
             if graph == "compile":  # what dynamo really compiled on this rank (a silent eager run would show 0)
                 runs[0].extra["dynamo"] = dynamo_counts()
             out.append((runs, traces, used))
-    return out
+        reasoning = _rank_reasoning(cfg, state, dname, mesh, checkpoint, graph, ar_reqs) if ar_reqs else None
+    return out, reasoning
+
+
+def _rank_reasoning(cfg, state, dname: str, mesh, checkpoint: str | None, graph: str, reqs: list) -> dict:
+    """The AR decode loop under the plan (whole on every rank under SP / cfgp; head-sharded under tp)."""
+    engine = _rank_engine(cfg, state, dname, "batched", mesh, checkpoint)
+    engine.family.parallelize(engine.model, mesh)
+    engine.model.configure_graph(graph)
+    steps: list[dict] = []
+    engine.subscribe(lambda ev: steps.append(dict(ev.data)), prefix="trace.step")
+    handles = [engine.submit_reasoning(r, record_logits=True) for r in reqs]
+    engine.run_until_idle()
+    results = [{"tokens": list(h.result()["tokens"]), "logits": h.result()["logits"]} if h.status == "completed"
+               else {"error": f"engine request {h.status}: {h.record.error}"} for h in handles]
+    return {"results": results, "steps": steps}
 
 
 def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, dtypes: list[str], seed: int,
@@ -173,9 +192,14 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                 # under tp the ranks read their slices of a canonical checkpoint, never the whole state
                 ckpt = str(write_canonical_transformer(cfg, state, Path(tmp) / "transformer")) if plan.tp > 1 \
                     else None
-                ranks = run_ranks(_rank_worker, plan.world_size, (plan.name(), cfg, None if ckpt else state, dname,
-                                                                  todo, fault, probes, ckpt, graph),
-                                  timeout_s=RANK_TIMEOUT_S)
+                ar_reqs = case_lib.ar_requests(cfg, cases, seed) if wanted("ar") else []
+                outs = run_ranks(_rank_worker, plan.world_size, (plan.name(), cfg, None if ckpt else state, dname,
+                                                                 todo, fault, probes, ckpt, graph, ar_reqs),
+                                 timeout_s=RANK_TIMEOUT_S)
+            ranks = [cases_out for cases_out, _ in outs]
+            if ar_reqs:
+                report.checks += _reasoning_checks(f"{vname}/{dname}/{plan.name()}/ar", reference, dtype, c0_tol,
+                                                   ar_reqs, [reasoning for _, reasoning in outs], graph)
             for c, case in enumerate(todo):
                 engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy,
                                                           batching="greedy")
@@ -209,6 +233,28 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                         detail=f"final latents bitwise equal on all {len(ranks)} ranks" if agree else
                         "the ranks hold different final latents"))
     return report
+
+
+def _reasoning_checks(prefix: str, reference, dtype, c0_tol, reqs: list, per_rank: list[dict],
+                      graph: str) -> list[CheckResult]:
+    """Every rank's reasoning vs the reference, by the one-process AR rule (parity/families/cosmos3/ar.py: logits
+    within the measured noise, the sampler on the engine's logits, tokens identical or a near tie), and every
+    decode step of every rank ran `graph`."""
+    from parity.families.cosmos3.ar import ReferenceOracle, ar_tolerance, compare_reasoning, decode_graph_check
+
+    tol, noise = ar_tolerance(c0_tol, dtype)
+    oracle = ReferenceOracle(reference)
+    wants = [oracle.free_run(r) for r in reqs]
+    checks: list[CheckResult] = []
+    for r, rank in enumerate(per_rank):
+        for i, (req, got) in enumerate(zip(reqs, rank["results"])):
+            name = f"{prefix}/rank{r}/req{i}"
+            if "error" in got:  # a failed engine request is a failed check, not a crash of the run
+                checks.append(CheckResult(f"{name}:tokens", False, detail=got["error"]))
+                continue
+            checks += compare_reasoning(name, got, req, oracle, wants[i], tol, noise)
+        checks.append(decode_graph_check(f"{prefix}/rank{r}/graph_{graph}", graph, rank["steps"]))
+    return checks
 
 
 def _vs_one_process(name: str, eng_run, one_run, tol, plan: ParallelPlan) -> list[CheckResult]:
