@@ -164,6 +164,9 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
         if graph != "eager":
             if "graph" not in inspect.signature(fam.levels[level]).parameters:
                 raise SetupError(f"{family} {level} has no graph modes; --graph {graph} does not apply")
+            if graph == "cuda" and not device.startswith("cuda") and plan is None:
+                raise SetupError(f"--graph cuda captures CUDA graphs and needs --device cuda, got --device {device} "
+                                 f"(on CPU: --graph eager or compile)")
             extra["graph"] = graph
         if plan is not None:
             if "plan" not in inspect.signature(fam.levels[level]).parameters:

@@ -326,6 +326,13 @@ def test_graph_negative_controls_fail_c1(family, fault):
     assert any(c.name.endswith("/step1") for c in bad), [c.name for c in bad][:5]
 
 
+def test_cuda_graphs_on_a_cpu_device_exit_2_before_anything_runs(fvparity):
+    r = fvparity("run", "cosmos3", "--level", "C1", "--graph", "cuda", "--device", "cpu")
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
+    assert "--graph cuda captures CUDA graphs and needs --device cuda" in r.stderr and "Traceback" not in r.stderr
+    assert "[cosmos3 C1]" not in r.stdout + r.stderr          # refused before any case ran
+
+
 def test_cuda_graphs_under_a_plan_are_refused_naming_the_alternative():
     """Plan ranks run on CPU (gloo): --graph cuda under a plan is a setup error that points to --graph compile."""
     from parity.errors import SetupError

@@ -250,7 +250,7 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
                                                             eng_run.extra.get("graphs", []),
                                                             dynamo_counts() if graph == "compile" else None))
                         if len(case.requests) > 1 and (case.name == "concurrent3" or "batch_position" in case.rules):
-                            batched = max(eng_run.extra["batch_sizes"]) > 1
+                            batched = max(eng_run.extra["batch_sizes"], default=0) > 1   # a failed run: no step
                             checks.append(CheckResult(f"{prefix}/batched_with_others", batched,
                                                       detail=f"batch sizes per step {eng_run.extra['batch_sizes']}"))
                         report.checks += checks
