@@ -89,8 +89,8 @@ PARALLELISM = Cosmos3Parallelism(   # attaches the gen-stream SP (parallelize.py
            "(text) stream runs whole on every rank and its K/V are kept sharded by heads",
            "und K/V cache entries are per plan (sharded by KV head under ulysses / tp): the plan hash is in their key",
            "tp: q / k / v by heads (KV heads replicated when tp exceeds them), o_proj and down_proj row-parallel, "
-           "MLP gate / up column-parallel, in both pathways (optimized/models/cosmos3/tp.py); the AR decode loop "
-           "(reasoning) is not tensor-parallel"),
+           "MLP gate / up column-parallel, in both pathways (optimized/models/cosmos3/tp.py) and in the AR decode "
+           "loop (each rank's KV pool holds its KV heads)"),
     load_sharded=_load_sharded,
 )   # no `cache_keys` override: Cosmos3Fast.und_cache_key reads the plan hash that parallelize.py sets
 

@@ -12,7 +12,9 @@ The output is in the run dtype (upstream returns the transformer dtype; the pipe
 Sequence parallel (`sp_mesh`, attached by the family's `parallelize` hook when the plan's ulysses x ring > 1): the
 video tokens are sharded after the patch embedding (with their RoPE rows and per-token timesteps), self-attention
 runs through `optimized.parallel.sp.sp_attention` (padded keys masked), cross-attention stays local (the text is
-whole on every rank), the blocks run eagerly, and the tokens are all-gathered and trimmed before the output head.
+whole on every rank), the block stack (`sp_blocks_body`) runs through the same CompileCache as the single-device one
+(compiled, it breaks its graph at each collective), and the tokens are all-gathered and trimmed before the output
+head.
 Tensor parallel (`tp`, given at load with this rank's shard of the weights, or attached by `parallelize` which
 re-shards loaded weights; optimized/models/wan/parallelize.py holds the per-key plan): q / k / v, the image K/V and
 the FFN up projection column-parallel (heads / tp per rank; the across-heads q / k RMS norm all-reduces its sum of
