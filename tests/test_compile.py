@@ -326,6 +326,16 @@ def test_graph_negative_controls_fail_c1(family, fault):
     assert any(c.name.endswith("/step1") for c in bad), [c.name for c in bad][:5]
 
 
+def test_graph_kinds_check_fails_a_wrong_kind_and_a_compile_that_compiled_nothing():
+    from parity.graph_checks import graph_kinds_check
+
+    kinds = [("compiled", "B=1", "miss"), ("compiled", "B=1", "hit")]
+    assert graph_kinds_check("g", "compile", kinds, (3, 2)).passed
+    assert not graph_kinds_check("g", "compile", kinds, (0, 0)).passed      # ran "compiled" but dynamo built nothing
+    assert not graph_kinds_check("g", "compile", kinds + [("eager", "B=2", "miss")]).passed
+    assert not graph_kinds_check("g", "cuda", kinds).passed and not graph_kinds_check("g", "compile", []).passed
+
+
 def test_cuda_graphs_on_a_cpu_device_exit_2_before_anything_runs(fvparity):
     r = fvparity("run", "cosmos3", "--level", "C1", "--graph", "cuda", "--device", "cpu")
     assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]

@@ -25,6 +25,7 @@ from optimized.models.cosmos3.tp import kv_head_span, tp_slice
 from optimized.parallel.mesh import build_mesh
 from optimized.parallel.plan import ParallelPlan, ParallelPlanError
 from optimized.runtime.family import seeded_random_state
+from tests.test_compile import _reason_all
 from tests.test_cosmos3_sp import EXACT, outputs, rel_l2
 from tests.test_cosmos3_sp import batch as sound_batch
 
@@ -115,12 +116,6 @@ def test_invalid_tp_refused_with_exit_2():
     assert "4 heads are not divisible by ulysses x tp = 1 x 3 = 3" in bad.stderr
 
 
-def _reason_records(eng, reqs) -> list[dict]:
-    handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
-    eng.run_until_idle()
-    return [h.result() for h in handles]
-
-
 def _reason_requests(cfg):
     from manifests.cosmos3.reasoning import ReasonRequest
     g = torch.Generator().manual_seed(6)
@@ -135,7 +130,7 @@ def _tp_reason_worker(group, plan: str, variant: str) -> dict:
     fast = model(variant)
     PARALLELISM(fast, build_mesh(ParallelPlan.parse(plan)))
     eng = optimized.Engine(fast, FAMILY, kv_block_size=4, batching="greedy")
-    got = _reason_records(eng, _reason_requests(fast.cfg))
+    got, _ = _reason_all(eng, _reason_requests(fast.cfg))
     return {"tokens": [g["tokens"] for g in got], "logits": [torch.stack(g["logits"]) for g in got],
             "pool_heads": eng.loop("reasoning").pool.k.shape[3],
             "sent": fast.parallel_mesh.axis("tp").stats["bytes_sent"]}
@@ -152,8 +147,8 @@ def test_ar_reasoning_under_tp2_equals_one_process():
 
     for variant in VARIANTS:
         one = model(variant)
-        want = _reason_records(optimized.Engine(one, FAMILY, kv_block_size=4, batching="greedy"),
-                               _reason_requests(one.cfg))
+        want, _ = _reason_all(optimized.Engine(one, FAMILY, kv_block_size=4, batching="greedy"),
+                              _reason_requests(one.cfg))
         for r in run_ranks(_tp_reason_worker, 2, ("tp2", variant), timeout_s=300):
             assert r["pool_heads"] == 1 and r["sent"] > 0               # 1 of the 2 KV heads; partial sums moved
             assert r["tokens"] == [w["tokens"] for w in want]

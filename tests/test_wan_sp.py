@@ -21,9 +21,9 @@ from optimized.parallel.plan import ParallelPlan
 VARIANT = "tiny-2.1-t2v"
 
 
-def c1(plan: str, fault: str | None = None):
+def c1(plan: str, fault: str | None = None, graph: str = "eager"):
     from parity.families.wan.c1 import run_c1
-    return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, plan=plan)
+    return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, plan=plan, graph=graph)
 
 
 def fvparity(*args: str) -> subprocess.CompletedProcess:
@@ -72,9 +72,7 @@ def test_c1_ulysses2_passes_on_two_gloo_ranks():
 @pytest.mark.dist
 @pytest.mark.slow
 def test_c1_ulysses2_compiled_passes():
-    from parity.families.wan.c1 import run_c1
-    report = run_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, None, lambda m: None, plan="ulysses2",
-                    graph="compile")
+    report = c1("ulysses2", graph="compile")
     assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
     rows = [c for c in report.checks if c.name.endswith("/graph_compile")]
     assert any("/rank1/" in c.name for c in rows)
