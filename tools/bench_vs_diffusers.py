@@ -100,6 +100,46 @@ def medians(fn, device: str, repeats: int) -> tuple[float, float]:
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """QK^T and PV of one SDPA call as executed (pad keys included; GQA: every query head reads a key head)."""
+    b, h, s_q, d = query_shape
+    return 4 * b * h * s_q * key_shape[-2] * d
+
+
+def _count_cpu_sdpa() -> None:
+    """FlopCounterMode knows the CUDA SDPA kernels but not the CPU flash kernel both sides run here; teach it."""
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if op not in flop_registry:
+        register_flop_formula(op)(_sdpa_flops)
+
+
+def counted_flops(fn) -> tuple[int, object]:
+    """(matmul + conv + attention FLOPs, fn's result) of one eager call, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+    _count_cpu_sdpa()
+    with FlopCounterMode(display=False) as counter:
+        result = fn()
+    return counter.get_total_flops(), result
+
+
+def matmul_peak(dtype: torch.dtype, device: str, shapes: list[tuple[int, int, int]], repeats: int = 10) -> float:
+    """This core's best measured matmul rate (FLOP/s) over a large square product and the model's own GEMM shapes:
+    no implementation of the same FLOPs runs faster than this (SDPA is GEMM work too, and runs slower)."""
+    best = 0.0
+    for m, k, n in [(2048, 2048, 2048)] + shapes:
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        sync(device)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        sync(device)
+        best = max(best, 2 * m * k * n * repeats / (time.perf_counter() - t))
+    return best
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -192,6 +232,29 @@ def bench_cosmos3(args, out: list[list[str]]) -> None:
             h.remove()
         return res.video.float(), (marks["we"] - marks["w"], marks["ce"] - marks["c"])
 
+    def diffusers_flops(rs) -> int:  # the transformer calls only: the region the times cover
+        total, counters = [0], []
+
+        def enter(module, a, k):
+            from torch.utils.flop_counter import FlopCounterMode
+            counters.append(FlopCounterMode(display=False))
+            counters[-1].__enter__()
+
+        def leave(module, a, k, o):
+            counter = counters.pop()
+            counter.__exit__(None, None, None)
+            total[0] += counter.get_total_flops()
+
+        _count_cpu_sdpa()
+        hooks = [tr.register_forward_pre_hook(enter, with_kwargs=True),
+                 tr.register_forward_hook(leave, with_kwargs=True)]
+        try:
+            diffusers_all(rs)
+        finally:
+            for h in hooks:
+                h.remove()
+        return total[0]
+
     def diffusers_all(rs):
         outs, wall, cpu = [], 0.0, 0.0
         for r in rs:
@@ -208,12 +271,15 @@ def bench_cosmos3(args, out: list[list[str]]) -> None:
         eng.run_until_idle()
         return [h.result()["latents"]["vision"].float() for h in hs]
 
-    for mode in args.graph:
+    for mode in sorted(set(args.graph) | {"eager"}):  # eager also counts the engine's FLOPs for the ceiling
         eng = Engine.from_state_dict(cfg, state, dev, dtype, weights_version="bench", cfg_policy="batched")
         eng.model.configure_graph(mode, cfg_policy="batched", variant="bench")
         engines[mode] = eng
+    D, I = cfg.hidden_size, cfg.intermediate_size
+    peak = matmul_peak(dtype, dev, [(tokens, D, I), (tokens, I, D), (tokens, D, D)])
 
     # bf16: the C1 loop tolerance of the parity contract (measured bf16 noise after the steps at guidance 5)
+    ceilings: list[str] = []
     tol = 1e-5 if dtype == torch.float32 else \
         load_parity_contract("cosmos3").tolerance("C1", "bfloat16", dev.split(":")[0]).rel_l2
     for n in sorted({1, args.concurrent}):
@@ -229,9 +295,19 @@ def bench_cosmos3(args, out: list[list[str]]) -> None:
             out.append([f"cosmos3 denoise, {n} request(s), engine {mode}", f"{d_wall:.3f} / {d_cpu:.3f}",
                         f"{e_wall:.3f} / {e_cpu:.3f}", f"{d_wall / e_wall:.2f}x / {d_cpu / e_cpu:.2f}x",
                         f"first run {warm:.1f} s; {eq if n == 1 else eq.split(';')[0] + ' ...'}"])
+        # the ceiling at equal work: the engine's FLOPs at this core's best matmul rate, against diffusers' time
+        d_flops = diffusers_flops(rs)
+        e_flops, _ = counted_flops(lambda: engine_all(rs, "eager"))
+        d_time, clock = (d_wall, "wall") if dev.startswith("cuda") else (d_cpu, "CPU")
+        ceilings.append(f"# ceiling, {n} request(s): diffusers {d_flops / 1e9:.0f} GFLOP in {d_time:.2f} s {clock} = "
+                        f"{d_flops / d_time / 1e9:.1f} GFLOP/s ({d_flops / d_time / peak:.0%} of the measured matmul "
+                        f"peak {peak / 1e9:.1f} GFLOP/s); engine {e_flops / 1e9:.0f} GFLOP "
+                        f"({e_flops / d_flops:.0%} of diffusers'): no engine doing this work exceeds "
+                        f"{d_time * peak / e_flops:.2f}x here")
     print(f"# cosmos3: hidden {cfg.hidden_size}, layers {cfg.num_layers}, heads {cfg.num_heads}/{cfg.num_kv_heads}x"
           f"{cfg.head_dim}, {tokens} vision tokens/sample, text {args.text_len}/{args.text_len // 4 + 1}, "
           f"{args.steps} steps, CFG 5 (diffusers: cond + uncond forward per step)", flush=True)
+    print("\n".join(ceilings), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
