@@ -211,7 +211,7 @@ def test_no_stale_cache_after_an_update_and_the_planted_fault_is_caught(tiny):
 
 def test_group_rollout_runs_as_one_batch_and_computes_the_prompt_once(tiny):
     cfg, state = tiny
-    engine = optimized.Engine.from_state_dict(cfg, state)
+    engine = optimized.Engine.from_state_dict(cfg, state, batching="greedy")  # batch sizes asserted: not on the clock
     engine.model.stats.reset()
     samples = rollout_group(engine, req(cfg, guidance=1.0), k=6)
     assert [s.record.seed for s in samples] == [3, 4, 5, 6, 7, 8]
@@ -225,7 +225,7 @@ def test_wan_group_rollout_encodes_the_text_once():
     from parity.families.wan.c2 import sde_request
     from parity.families.wan.common import resolve_models
     m, = resolve_models(["tiny-2.1-t2v"], None, 0, kinds=("model",))
-    engine = optimized.Engine.from_weights(m.cfg, m.weights)
+    engine = optimized.Engine.from_weights(m.cfg, m.weights, batching="greedy")  # batch sizes asserted
     ops = _cache_ops(engine)
     k = 5
     samples = rollout_group(engine, sde_request(m.cfg, 0, guidance=1.0, sde=SDE(0.7)), k=k)

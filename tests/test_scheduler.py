@@ -123,6 +123,85 @@ def test_compile_time_is_not_a_step_measurement():
     assert sched.cost.solo[key] == pytest.approx(1.2) and sched.cost.measured[key] < 2
 
 
+def _together(kernel: TimedKernel, jobs: list[Job]) -> WorkUnitScheduler:
+    """Every job submitted before the first tick: none ever steps alone unless the scheduler sends it."""
+    sched = WorkUnitScheduler(clock=kernel.clock)
+    for job in jobs:
+        sched.submit(kernel, job)
+    sched.run_until_idle()
+    return sched
+
+
+def test_requests_that_arrive_together_probe_one_member_alone_then_split_a_slow_batch():
+    clock = FakeClock()
+    kernel = TimedKernel(clock, seconds=lambda b: 1.0 * b + 0.5 * (b > 1))   # batching costs more than it saves
+    sched = _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    assert kernel.batches[0] == ["a", "b", "c"]                  # nothing measured: batched
+    assert kernel.batches[1:3] == [["a"], ["b", "c"]]            # the probe: a alone, the others still together
+    assert set(_sizes(kernel)[4:]) == {1}, _sizes(kernel)        # 3 and then 2 measured slower: one by one
+    assert sched.cost.slower_than_solo([kernel.plan_step(JobState(Job("x", 1)))] * 3)
+
+
+def test_requests_that_arrive_together_stay_batched_when_the_batch_pays_off():
+    clock = FakeClock()
+    kernel = TimedKernel(clock, seconds=lambda b: 1.0 + 0.2 * b)
+    _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    assert kernel.batches[1:3] == [["a"], ["b", "c"]]            # one probe step, no more
+    assert set(_sizes(kernel)[3:10]) == {3}, _sizes(kernel)
+
+
+def test_a_compiled_probe_step_is_probed_again_until_it_measures():
+    """The probe's first solo step compiles its body (not a measurement): the member steps alone once more."""
+    clock = FakeClock()
+    kernel = TimedKernel(clock, seconds=lambda b: 1.0 * b + 0.5 * (b > 1), graph=True, compile_seconds=100.0)
+    sched = _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    sizes = _sizes(kernel)
+    # tick 1 compiles the 3-batch (no measurement); tick 2 measures it; ticks 3 and 4 probe a alone (compile, then
+    # measure) while b + c compile and then measure as a pair; from there the measured rule splits everything
+    assert sizes[:7] == [3, 3, 1, 2, 1, 2, 1], sizes
+    assert set(sizes[7:]) == {1}, sizes
+    key = CostModel.key(kernel.plan_step(JobState(Job("a", 1))))
+    assert sched.cost.solo[key] == pytest.approx(1.0)
+
+
+def test_under_a_multi_rank_layout_batches_never_follow_the_clock():
+    """Every rank runs its own scheduler and their steps meet in collectives: a batch split decided by one rank's
+    clock would leave the ranks in different collectives. Under a plan, no probe and no split."""
+    clock = FakeClock()
+    kernel = TimedKernel(clock, seconds=lambda b: 1.0 * b + 0.5 * (b > 1), plan_hash="cfgp2@abc")
+    _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    assert set(_sizes(kernel)) == {3}, _sizes(kernel)
+
+
+def test_cfg_parallel_names_its_layout_in_the_step_plan(wan_tiny):
+    """A distributed CFG policy on a model without a plan still makes the step multi-rank (the rule above)."""
+    from manifests.wan import WanGenerateRequest
+    from optimized.models.wan.denoise import WanDenoiseLoop
+    from optimized.models.wan.instance import WanModelInstance
+    from optimized.parallel.cfg_parallel import CFGParallel
+
+    cfg, weights = wan_tiny
+    instance = WanModelInstance(cfg, weights, weights_version="t")
+    s = cfg.vae.spatial_compression * cfg.dit.patch_size[1]
+    req = WanGenerateRequest(text_ids=torch.tensor([5, 6, 7]), negative_text_ids=torch.tensor([8, 9]), num_frames=5,
+                             height=2 * s, width=2 * s, num_steps=2, guidance_scale=5.0, seed=0)
+    hashes = [WanDenoiseLoop(instance, policy).plan_step(WanDenoiseLoop(instance).init_state(req)).parallel_plan_hash
+              for policy in (CFGParallel(SimpleNamespace(world_size=2, rank=0)), CFGParallel())]
+    assert hashes == ["cfgp2", "single"]
+
+
+def test_without_the_probe_requests_that_arrive_together_never_split():
+    """Negative control: with the probe disabled the slow batch is never compared, so it runs batched to the end."""
+    clock = FakeClock()
+    kernel = TimedKernel(clock, seconds=lambda b: 1.0 * b + 0.5 * (b > 1))
+    sched = WorkUnitScheduler(clock=clock)
+    sched.cost.unmeasured_solo = lambda plans: None
+    for job in (Job("a", 10), Job("b", 10), Job("c", 10)):
+        sched.submit(kernel, job)
+    sched.run_until_idle()
+    assert set(_sizes(kernel)) == {3}
+
+
 def test_fake_clock_negative_control_without_the_cost_model_rule():
     """The rule above is what splits the slow batch: a cost model that never finds a batch slower keeps size 3."""
     clock = FakeClock()

@@ -149,6 +149,9 @@ class CFGParallel(CFGPolicy):
         preds = [p for rank_preds in all_gather_structures(self.group, local) for p in rank_preds]
         return preds[: len(cond)], preds[len(cond):]
 
+    def layout_hash(self) -> str:
+        return "single" if self.group.world_size == 1 else f"cfgp{self.group.world_size}"
+
     def branch_rows(self, n_rows: int) -> tuple[int, int]:
         """[start, end) of the rows (cond then uncond) this rank runs."""
         return split_rows(n_rows, self.group.world_size)[self.group.rank]

@@ -54,7 +54,8 @@ class RequestFailed(RuntimeError):
 
 
 CostKey = tuple[str, str, str, str]
-# how a group is cut into batches: "measured" = never a batch measured slower than its members one by one (serving);
+# how a group is cut into batches: "measured" = never a batch measured slower than its members one by one (serving;
+# one process only: under a multi-rank layout, where every rank must form the same batches, it batches as "greedy");
 # "greedy" = the largest batch memory and max_batch allow, whatever the clock says (reproducible batch composition)
 BATCHING = ("measured", "greedy")
 
@@ -68,7 +69,8 @@ class CostModel:
       * `solo`: seconds of the step run alone; `batched`: seconds of a batch, per composition (the multiset of its
         members' keys). `slower_than_solo(plans)` is True once that batch was measured slower than the sum of its
         members run one by one: the scheduler then never forms it (or a larger one) again. Solo times are learned
-        from the steps that run alone (a request before its batch mates arrive, or after they finish).
+        from the steps that run alone (a request before its batch mates arrive, after they finish, or a probe: see
+        `unmeasured_solo`).
     """
 
     def __init__(self, smoothing: float = 0.5):
@@ -112,6 +114,13 @@ class CostModel:
     def slower_than_solo(self, plans: Sequence[WorkPlan]) -> bool:
         ratio = self.batch_ratio(plans) if len(plans) > 1 else None
         return ratio is not None and ratio > 1.0
+
+    def unmeasured_solo(self, plans: Sequence[WorkPlan]) -> int | None:
+        """Index of the first member whose solo seconds are unknown once this batch has been measured (requests that
+        arrive together never step alone, so without a probe their batch could never be compared); else None."""
+        if len(plans) < 2 or self.composition(plans) not in self.batched:
+            return None
+        return next((i for i, p in enumerate(plans) if self.key(p) not in self.solo), None)
 
 
 @dataclass
@@ -268,21 +277,28 @@ class WorkUnitScheduler:
 
     def _chunks(self, group_key: tuple, rids: list[str], plans: dict[str, WorkPlan]) -> list[list[str]]:
         """Split a group (oldest first) into batches of the largest size the cost model allows: at most `max_batch`,
-        and never as large as a batch already measured slower than its members run one by one. When the group must
+        and never as large as a batch already measured slower than its members run one by one (a batch measured
+        before its members' solo seconds are known sends one member alone once, as a probe). When the group must
         be split and its step body is compiled / captured, each batch (which always holds the oldest member left)
         takes members whose bucket composition already has a compiled / captured body, where one exists, instead
         of the next ones in age order: the split never adds a batch, it picks who goes together."""
         out, rest = [], list(rids)
+        # across ranks every scheduler must form the same batches (their steps meet in collectives), and each rank's
+        # clock reads differently: under a multi-rank layout batch sizes never follow the clock
+        measured = self.batching == "measured" and all(plans[r].parallel_plan_hash == "single" for r in rids)
         while rest:
             cand = rest[:self.max_batch]
             size = 1
             for b in range(2, len(cand) + 1):
-                if self.batching == "measured" and self.cost.slower_than_solo([plans[r] for r in cand[:b]]):
+                if measured and self.cost.slower_than_solo([plans[r] for r in cand[:b]]):
                     break  # batching this many lost against one by one: a larger batch is not tried either
                 size = b
             batch = rest[:size]
             if size < len(rest) and group_key in self.graph_groups:
                 batch = self._warm_batch(group_key, rest, size, plans) or batch
+            probe = self.cost.unmeasured_solo([plans[r] for r in batch]) if measured else None
+            if probe is not None:  # step one member alone (the rest still batch) to learn what one by one costs
+                batch = [batch[probe]]
             out.append(batch)
             rest = [r for r in rest if r not in batch]
         return out

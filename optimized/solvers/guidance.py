@@ -29,6 +29,10 @@ class CFGPolicy:
         """(cond predictions, uncond predictions), in the order of the inputs."""
         raise NotImplementedError
 
+    def layout_hash(self) -> str:
+        """The layout this policy spreads a step over when the model itself has no plan: "single" in one process."""
+        return "single"
+
 
 class TwoForwardCFG(CFGPolicy):
     """Cond batch and uncond batch as two forwards (lower peak memory)."""

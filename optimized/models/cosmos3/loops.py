@@ -175,7 +175,7 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
                                       cost_seconds=2 * rank_tokens * rank_branches * params_per_token / 5e10),
             cache_reads=s.und_keys,
             shape_signature=f"tokens={tokens};branches={branches}",
-            parallel_plan_hash=lay.hash() if lay is not None else "single",
+            parallel_plan_hash=lay.hash() if lay is not None else self.cfg_policy.layout_hash(),
             graph_bucket=bucket,
             info={"timestep": s.timesteps[s.step], "guidance": req.guidance_scale})
 

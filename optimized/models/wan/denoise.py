@@ -233,7 +233,7 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
             batch_key=(expert, shape, s.text.shape[1], image_n, str(self.model.dtype), self.cfg_policy.name),
             resources=ResourceRequest(device_bytes=act_bytes, cost_seconds=cost), cache_reads=s.text_keys,
             shape_signature=f"{signature};branches={branches}",
-            parallel_plan_hash=lay.hash() if lay is not None else "single",
+            parallel_plan_hash=lay.hash() if lay is not None else self.cfg_policy.layout_hash(),
             graph_bucket=f"{signature};rows={rank_branches}",   # the block stack's rows: this request's branches
             info={"timestep": s.timesteps[s.step].item(), "expert": expert,
                   "guidance": s.request.guidance_for_expert(expert)})
