@@ -81,7 +81,8 @@ def _sizes(kernel: TimedKernel) -> list[int]:
 
 
 def _run(kernel: TimedKernel, late: list[Job], first: Job, solo_ticks: int = 2, **kw) -> WorkUnitScheduler:
-    """`first` runs alone for `solo_ticks` ticks (its solo time is measured), then `late` join it."""
+    """`first` runs alone for `solo_ticks` ticks (its solo time is measured), then `late` join it (solo_ticks=0: all
+    arrive together, so none steps alone unless the scheduler sends it)."""
     sched = WorkUnitScheduler(clock=kernel.clock, **kw)
     sched.submit(kernel, first)
     for _ in range(solo_ticks):
@@ -123,19 +124,10 @@ def test_compile_time_is_not_a_step_measurement():
     assert sched.cost.solo[key] == pytest.approx(1.2) and sched.cost.measured[key] < 2
 
 
-def _together(kernel: TimedKernel, jobs: list[Job]) -> WorkUnitScheduler:
-    """Every job submitted before the first tick: none ever steps alone unless the scheduler sends it."""
-    sched = WorkUnitScheduler(clock=kernel.clock)
-    for job in jobs:
-        sched.submit(kernel, job)
-    sched.run_until_idle()
-    return sched
-
-
 def test_requests_that_arrive_together_probe_one_member_alone_then_split_a_slow_batch():
     clock = FakeClock()
     kernel = TimedKernel(clock, seconds=lambda b: 1.0 * b + 0.5 * (b > 1))   # batching costs more than it saves
-    sched = _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    sched = _run(kernel, [Job("b", 10), Job("c", 10)], Job("a", 10), solo_ticks=0)
     assert kernel.batches[0] == ["a", "b", "c"]                  # nothing measured: batched
     assert kernel.batches[1:3] == [["a"], ["b", "c"]]            # the probe: a alone, the others still together
     assert set(_sizes(kernel)[4:]) == {1}, _sizes(kernel)        # 3 and then 2 measured slower: one by one
@@ -145,7 +137,7 @@ def test_requests_that_arrive_together_probe_one_member_alone_then_split_a_slow_
 def test_requests_that_arrive_together_stay_batched_when_the_batch_pays_off():
     clock = FakeClock()
     kernel = TimedKernel(clock, seconds=lambda b: 1.0 + 0.2 * b)
-    _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    _run(kernel, [Job("b", 10), Job("c", 10)], Job("a", 10), solo_ticks=0)
     assert kernel.batches[1:3] == [["a"], ["b", "c"]]            # one probe step, no more
     assert set(_sizes(kernel)[3:10]) == {3}, _sizes(kernel)
 
@@ -154,7 +146,7 @@ def test_a_compiled_probe_step_is_probed_again_until_it_measures():
     """The probe's first solo step compiles its body (not a measurement): the member steps alone once more."""
     clock = FakeClock()
     kernel = TimedKernel(clock, seconds=lambda b: 1.0 * b + 0.5 * (b > 1), graph=True, compile_seconds=100.0)
-    sched = _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    sched = _run(kernel, [Job("b", 10), Job("c", 10)], Job("a", 10), solo_ticks=0)
     sizes = _sizes(kernel)
     # tick 1 compiles the 3-batch (no measurement); tick 2 measures it; ticks 3 and 4 probe a alone (compile, then
     # measure) while b + c compile and then measure as a pair; from there the measured rule splits everything
@@ -169,7 +161,7 @@ def test_under_a_multi_rank_layout_batches_never_follow_the_clock():
     clock would leave the ranks in different collectives. Under a plan, no probe and no split."""
     clock = FakeClock()
     kernel = TimedKernel(clock, seconds=lambda b: 1.0 * b + 0.5 * (b > 1), plan_hash="cfgp2@abc")
-    _together(kernel, [Job("a", 10), Job("b", 10), Job("c", 10)])
+    _run(kernel, [Job("b", 10), Job("c", 10)], Job("a", 10), solo_ticks=0)
     assert set(_sizes(kernel)) == {3}, _sizes(kernel)
 
 
