@@ -1,11 +1,16 @@
-"""All GPU checks in one call (for a lent accelerator): parity on CUDA, then benchmarks at larger sizes.
+"""All GPU checks in one call (for a lent accelerator), most important first, inside a wall-clock budget.
 
-    python tools/gpu_check.py --out "$OUT"            # on the GPU machine, from the repo root
-    python tools/gpu_check.py --device cpu --quick    # dry run of the same sequence on CPU
+    python3 tools/gpu_check.py --out "$OUT" --budget-s 540 --wheels wheels   # on the GPU machine, repo root
+    python tools/gpu_check.py --device cpu --quick --out /tmp/gc              # dry run of the same sequence on CPU
 
-Each step is a subprocess with its own time limit; its output goes to OUT/<step>.log and a summary table
-(step, exit code, seconds) is printed and written to OUT/summary.json. A failing step does not stop the rest.
-Nothing here has run on a GPU yet (no device was lent to the session that wrote it): expect the first run to
+The device tool gives one command at most 10 minutes, 15 minutes of device time in all, and brings back at most 8
+files from $OUT, so: steps run in priority order (the environment, C1 with CUDA graphs, the capture tests, bf16
+parity, the peer at released sizes, MFU, then the rest); a step starts only while --budget-s leaves it at least
+--min-step-s, and is cut at what is left; all output goes to ONE log (OUT/gpu_check.log, a header per step) and
+OUT/summary.json is rewritten after every step, so a run cut short still brings back what finished. A failing step
+does not stop the rest. The device image has torch but not diffusers: `pip download diffusers==0.42.1 --no-deps -d
+wheels` here (wheels/ is git-ignored; carry it), and --wheels installs it there first (no index, no deps).
+Nothing here has run on a GPU yet (no device was lent to the sessions that wrote it): expect the first run to
 surface device-placement bugs, which is its purpose.
 """
 
@@ -13,48 +18,98 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 
-def steps(device: str, quick: bool) -> list[tuple[str, list[str], int]]:
+def steps(device: str, quick: bool, wheels: Path | None = None) -> list[tuple[str, list[str], int]]:
+    """(name, command, time limit in s), in the order they run: what the open issue needs from a GPU first."""
     py = sys.executable
     fv = [py, "-m", "parity.cli"]
     big = [] if quick else ["--hidden", "2048", "--layers", "8", "--text-len", "256", "--hw", "30", "40",
                             "--frames", "6", "--steps", "8"]
+    graph = "cuda" if device != "cpu" else "eager"
+    env = [py, "-c", "import torch, sys; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), "
+                     "torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-', 'python', sys.version)"]
+    if wheels is not None:  # the device image lacks the upstream extra: install the carried wheels, then report
+        env = ["sh", "-c", f"{shlex.quote(py)} -m pip install -q --no-index --no-deps {shlex.quote(str(wheels))}/*.whl"
+                           f" && {shlex.join(env)}"]
     return [
-        ("c0_fp32", fv + ["run", "cosmos3", "--level", "C0", "--device", device, "--dtype", "fp32"], 600),
+        ("env", env, 120),
+        # captured step bodies: C1 with CUDA graphs (replay vs eager is bitwise; vs reference at the C1 tolerance),
+        # the real-capture unit tests, wan's captured DiT steps
+        ("c1_graph_cuda", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32",
+                                "--graph", graph], 900),
+        ("capture_tests", [py, "-m", "pytest", "-q", "-p", "no:xdist", "tests/test_compile.py", "-m", "gpu or not slow"],
+         600),
+        ("wan_c1_graph_cuda", fv + ["run", "wan", "--level", "C1", "--device", device, "--variant", "tiny-2.1-t2v",
+                                    "--graph", graph], 900),
+        # bf16 on CUDA: the contract's bf16 tolerances were measured on CPU only
         ("c0_bf16", fv + ["run", "cosmos3", "--level", "C0", "--device", device, "--dtype", "bf16"], 600),
-        ("c1_fp32", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32"], 900),
         ("c1_bf16", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "bf16"], 900),
+        # the peer at released sizes, random weights (upstream extra): Cosmos3-Nano 720p, Wan2.1 VAE 480p 81 frames
+        ("bench_vs_diffusers", [py, "tools/bench_vs_diffusers.py", "--device", device, "--repeats", "3",
+                                "--threads", "16", "--graph", "eager", "compile", "cuda"] +
+         (["--dtype", "bf16", "--released", "--concurrent", "2"] if not quick else
+          ["--hidden", "128", "--layers", "2", "--height", "64", "--width", "64", "--steps", "2"])
+         if device != "cpu" else [py, "tools/bench_vs_diffusers.py", "--graph", "eager", "--hidden", "128",
+                                  "--layers", "2", "--height", "64", "--width", "64", "--steps", "2", "--repeats",
+                                  "1", "--concurrent", "2", "--vae-frames", "2", "--vae-hw", "8", "8"], 1500),
+        ("mfu", [py, "tools/gpu_check.py", "--mfu", "--device", device] + (["--quick"] if quick else []), 900),
+        ("c1_graph_compile", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32",
+                                   "--graph", "compile"], 900),
+        ("c0_fp32", fv + ["run", "cosmos3", "--level", "C0", "--device", device, "--dtype", "fp32"], 600),
+        ("c1_fp32", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32"], 900),
         ("wan_c0", fv + ["run", "wan", "--level", "C0", "--device", device], 600),
         ("bench_loop", [py, "tools/bench_loop.py", "--device", device, "--dtype", "bf16" if device != "cpu"
                         else "fp32", *big], 900),
         ("bench_vae", [py, "tools/bench_vae.py", "--device", device] + ([] if quick else
                                                                          ["--variant", "wan2.2", "--frames", "6",
                                                                           "--hw", "16", "16"]), 900),
-        # captured step bodies: C1 with CUDA graphs (replay vs eager is bitwise; vs reference at the C1 tolerance),
-        # the real-capture unit tests, and the compiled path
-        ("c1_graph_cuda", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32",
-                                "--graph", "cuda" if device != "cpu" else "eager"], 900),
-        ("c1_graph_compile", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32",
-                                   "--graph", "compile"], 900),
-        ("wan_c1_graph_cuda", fv + ["run", "wan", "--level", "C1", "--device", device, "--variant", "tiny-2.1-t2v",
-                                    "--graph", "cuda" if device != "cpu" else "eager"], 900),
-        ("capture_tests", [py, "-m", "pytest", "-q", "-p", "no:xdist", "tests/test_compile.py", "-m", "gpu or not slow"],
-         600),
-        # the peer at released sizes, random weights (upstream extra): Cosmos3-Nano 720p, Wan2.1 VAE 480p 81 frames
-        ("bench_vs_diffusers", [py, "tools/bench_vs_diffusers.py", "--device", device, "--repeats", "3",
-                                "--threads", "16", "--graph", "eager", "compile", "cuda"] +
-         (["--dtype", "bf16", "--released"] if not quick else ["--hidden", "128", "--layers", "2", "--height", "64",
-                                                               "--width", "64", "--steps", "2"])
-         if device != "cpu" else [py, "tools/bench_vs_diffusers.py", "--graph", "eager", "--hidden", "128",
-                                  "--layers", "2", "--height", "64", "--width", "64", "--steps", "2", "--repeats",
-                                  "1", "--vae-frames", "2", "--vae-hw", "8", "8"], 1500),
-        ("mfu", [py, "tools/gpu_check.py", "--mfu", "--device", device] + (["--quick"] if quick else []), 900),
     ]
+
+
+def run_steps(step_list: list[tuple[str, list[str], int]], out: Path, budget_s: float | None, min_step_s: float,
+              clock=time.monotonic, runner=subprocess.run) -> list[dict]:
+    """Run the steps in order within `budget_s` (None: no budget): a step starts only with `min_step_s` left and is
+    cut at what is left. Every step's output is appended to out/gpu_check.log; out/summary.json is rewritten after
+    each step (skipped steps included, with why), so whatever finished survives a run cut short."""
+    out.mkdir(parents=True, exist_ok=True)
+    log, summary = out / "gpu_check.log", []
+    log.write_text("")
+    t_start = clock()
+    for name, cmd, limit in step_list:
+        left = None if budget_s is None else budget_s - (clock() - t_start)
+        if left is not None and left < min_step_s:
+            summary.append({"step": name, "rc": None, "seconds": 0.0, "last_line": f"skipped: {left:.0f} s of the "
+                            f"budget left (< {min_step_s:.0f})"})
+            print(f"{name:18s} skipped (budget)", flush=True)
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            continue
+        timeout = limit if left is None else max(1, min(limit, int(left)))
+        t0 = clock()
+        try:
+            proc = runner(cmd, capture_output=True, text=True, timeout=timeout)
+            rc, text, verdict = proc.returncode, proc.stdout + proc.stderr, proc.stdout or proc.stderr
+        except subprocess.TimeoutExpired as e:
+            partial = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                              for x in (e.stdout, e.stderr))
+            rc, text = 124, f"{partial}\ntimed out after {timeout} s"
+            verdict = text
+        except OSError as e:  # a command that cannot start is this step's failure, not the run's
+            rc, text = 127, f"cannot start {cmd[0]}: {e}"
+            verdict = text
+        seconds = clock() - t0
+        with log.open("a") as f:
+            f.write(f"===== {name}: rc={rc} {seconds:.1f}s  {' '.join(cmd)}\n{text}\n")
+        last = [line for line in verdict.strip().splitlines() if line.strip()][-1:] or [""]
+        summary.append({"step": name, "rc": rc, "seconds": round(seconds, 1), "last_line": last[0][:160]})
+        print(f"{name:18s} rc={rc:<4d} {seconds:7.1f}s  {last[0][:120]}", flush=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 # H200 SXM dense bf16 tensor-core peak (NVIDIA datasheet: 1,979 TFLOPS with sparsity, half that dense)
@@ -107,31 +162,29 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("gpu_check_out"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small sizes (a CPU dry run)")
-    ap.add_argument("--only", nargs="*", default=None, help="run only these steps")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these steps (names as in the summary)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget for all steps (leave the device call's limit some slack)")
+    ap.add_argument("--min-step-s", type=float, default=45.0, help="do not start a step with less than this left")
+    ap.add_argument("--wheels", type=Path, default=None,
+                    help="a folder of wheels to install first (no index, no deps): diffusers for the device image")
     ap.add_argument("--mfu", action="store_true", help="(internal step) print MFU per denoise step and exit")
     args = ap.parse_args()
     if args.mfu:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         mfu(args.device, args.quick)
         return
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary = []
-    for name, cmd, limit in steps(args.device, args.quick):
-        if args.only and name not in args.only:
-            continue
-        t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
-            rc, text, verdict = proc.returncode, proc.stdout + proc.stderr, proc.stdout or proc.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, text = 124, f"timed out after {limit} s\n{e.stdout or ''}{e.stderr or ''}"
-            verdict = text
-        seconds = time.monotonic() - t0
-        (args.out / f"{name}.log").write_text(text)
-        last = [line for line in verdict.strip().splitlines() if line.strip()][-1:] or [""]
-        summary.append({"step": name, "rc": rc, "seconds": round(seconds, 1), "last_line": last[0][:160]})
-        print(f"{name:12s} rc={rc:<4d} {seconds:7.1f}s  {last[0][:120]}", flush=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    wanted = [st for st in steps(args.device, args.quick, args.wheels) if not args.only or st[0] in args.only]
+    unknown = set(args.only or ()) - {st[0] for st in steps(args.device, args.quick)}
+    if unknown:
+        print(f"gpu_check: unknown step(s) {', '.join(sorted(unknown))}; the steps are "
+              f"{', '.join(st[0] for st in steps(args.device, args.quick))}", file=sys.stderr)
+        sys.exit(2)
+    if args.wheels is not None and not sorted(args.wheels.glob("*.whl")):
+        print(f"gpu_check: --wheels {args.wheels}: no .whl files there", file=sys.stderr)
+        sys.exit(2)
+    summary = run_steps(wanted, args.out, args.budget_s, args.min_step_s)
+    sys.exit(0 if all(r["rc"] in (0, None) for r in summary) else 1)
 
 
 if __name__ == "__main__":
