@@ -302,8 +302,8 @@ def bench_cosmos3(args, out: list[list[str]]) -> None:
         ceilings.append(f"# ceiling, {n} request(s): diffusers {d_flops / 1e9:.0f} GFLOP in {d_time:.2f} s {clock} = "
                         f"{d_flops / d_time / 1e9:.1f} GFLOP/s ({d_flops / d_time / peak:.0%} of the measured matmul "
                         f"peak {peak / 1e9:.1f} GFLOP/s); engine {e_flops / 1e9:.0f} GFLOP "
-                        f"({e_flops / d_flops:.0%} of diffusers'): no engine doing this work exceeds "
-                        f"{d_time * peak / e_flops:.2f}x here")
+                        f"({e_flops / d_flops:.0%} of diffusers'), {e_flops / peak:.2f} s at that peak: the "
+                        f"engine's work allows at most {d_time * peak / e_flops:.2f}x here")
     print(f"# cosmos3: hidden {cfg.hidden_size}, layers {cfg.num_layers}, heads {cfg.num_heads}/{cfg.num_kv_heads}x"
           f"{cfg.head_dim}, {tokens} vision tokens/sample, text {args.text_len}/{args.text_len // 4 + 1}, "
           f"{args.steps} steps, CFG 5 (diffusers: cond + uncond forward per step)", flush=True)
