@@ -82,6 +82,7 @@ class RestorationLoop(LoopKernel[RestoreState]):
         sig = f"{phase}:{T}x{h}x{w}:sp={self.group.world_size}"
         return WorkPlan(request_id="", loop_id=self.loop_id, phase=phase, step_index=state.stage,
                         batch_key=(id(self), sig), resources=ResourceRequest(), shape_signature=sig,
+                        parallel_plan_hash="single" if self.group.world_size == 1 else f"sp{self.group.world_size}",
                         info={"timestep": state.timesteps[state.stage - 1]} if phase == "dit_step" else {})
 
     def run_step(self, states: Sequence[RestoreState], plans: Sequence[WorkPlan]) -> list[RestoreState]:
