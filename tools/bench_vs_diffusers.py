@@ -299,9 +299,9 @@ def bench_cosmos3(args, out: list[list[str]]) -> None:
         d_flops = diffusers_flops(rs)
         e_flops, _ = counted_flops(lambda: engine_all(rs, "eager"))
         d_time, clock = (d_wall, "wall") if dev.startswith("cuda") else (d_cpu, "CPU")
-        ceilings.append(f"# ceiling, {n} request(s): diffusers {d_flops / 1e9:.0f} GFLOP in {d_time:.2f} s {clock} = "
+        ceilings.append(f"# ceiling, {n} request(s): diffusers {d_flops / 1e9:.4g} GFLOP in {d_time:.2f} s {clock} = "
                         f"{d_flops / d_time / 1e9:.1f} GFLOP/s ({d_flops / d_time / peak:.0%} of the measured matmul "
-                        f"peak {peak / 1e9:.1f} GFLOP/s); engine {e_flops / 1e9:.0f} GFLOP "
+                        f"peak {peak / 1e9:.1f} GFLOP/s); engine {e_flops / 1e9:.4g} GFLOP "
                         f"({e_flops / d_flops:.0%} of diffusers'), {e_flops / peak:.2f} s at that peak: the "
                         f"engine's work allows at most {d_time * peak / e_flops:.2f}x here")
     print(f"# cosmos3: hidden {cfg.hidden_size}, layers {cfg.num_layers}, heads {cfg.num_heads}/{cfg.num_kv_heads}x"
