@@ -114,18 +114,18 @@ def _count_cpu_sdpa() -> None:
         register_flop_formula(op)(_sdpa_flops)
 
 
-def counted_flops(fn) -> tuple[int, object]:
-    """(matmul + conv + attention FLOPs, fn's result) of one eager call, counted by torch's FlopCounterMode."""
+def counted_flops(fn) -> int:
+    """Matmul + conv + attention FLOPs of one eager call of `fn`, counted by torch's FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode
     _count_cpu_sdpa()
     with FlopCounterMode(display=False) as counter:
-        result = fn()
-    return counter.get_total_flops(), result
+        fn()
+    return counter.get_total_flops()
 
 
 def matmul_peak(dtype: torch.dtype, device: str, shapes: list[tuple[int, int, int]], repeats: int = 10) -> float:
-    """This core's best measured matmul rate (FLOP/s) over a large square product and the model's own GEMM shapes:
-    no implementation of the same FLOPs runs faster than this (SDPA is GEMM work too, and runs slower)."""
+    """This core's best measured matmul rate (FLOP/s) over a large square product and the model's own GEMM shapes.
+    The ceiling assumes no implementation runs the same FLOPs faster (SDPA is GEMM work too, and measures slower)."""
     best = 0.0
     for m, k, n in [(2048, 2048, 2048)] + shapes:
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
@@ -297,7 +297,7 @@ def bench_cosmos3(args, out: list[list[str]]) -> None:
                         f"first run {warm:.1f} s; {eq if n == 1 else eq.split(';')[0] + ' ...'}"])
         # the ceiling at equal work: the engine's FLOPs at this core's best matmul rate, against diffusers' time
         d_flops = diffusers_flops(rs)
-        e_flops, _ = counted_flops(lambda: engine_all(rs, "eager"))
+        e_flops = counted_flops(lambda: engine_all(rs, "eager"))
         d_time, clock = (d_wall, "wall") if dev.startswith("cuda") else (d_cpu, "CPU")
         ceilings.append(f"# ceiling, {n} request(s): diffusers {d_flops / 1e9:.4g} GFLOP in {d_time:.2f} s {clock} = "
                         f"{d_flops / d_time / 1e9:.1f} GFLOP/s ({d_flops / d_time / peak:.0%} of the measured matmul "

@@ -1,6 +1,6 @@
 """All GPU checks in one call (for a lent accelerator), most important first, inside a wall-clock budget.
 
-    python3 tools/gpu_check.py --out "$OUT" --budget-s 540 --wheels wheels   # on the GPU machine, repo root
+    python3 tools/gpu_check.py --out "$OUT" --budget-s 500 --wheels wheels   # on the GPU machine, repo root
     python tools/gpu_check.py --device cpu --quick --out /tmp/gc              # dry run of the same sequence on CPU
 
 The device tool gives one command at most 10 minutes, 15 minutes of device time in all, and brings back at most 8
