@@ -59,6 +59,13 @@ class FlowMatchEulerConfig:
 
 SDE_TYPES = ("flow_grpo", "dance_grpo")
 
+# How a sample's per-step log-probability combines its stepped modalities (each side implements it on its own):
+# the joint log-density of the step's transition per element of the whole sample, sum_m n_m lp_m / sum_m n_m, where
+# lp_m is modality m's per-element mean log-density and n_m its element count. Each SDE step draws every modality
+# independently given one velocity forward, so the joint log-density is the sum of the modalities' (n_m lp_m);
+# per element, as every per-modality value is, it is the element-weighted mean (vision-only: the vision value).
+SAMPLE_LOGPROB_REDUCTION = "element_weighted_mean"
+
 
 @dataclass(frozen=True)
 class SDEConfig:

@@ -2,7 +2,9 @@
 comparison as a check, and the two-sample tests.
 
 C2: rollout logprobs vs a recompute, per SDE step: mean and max |delta logp| and the ratio exp(recompute - rollout).
-A tolerance of 0.0 means bitwise identity (ratio exactly 1), step 0 included.
+A tolerance of 0.0 means bitwise identity (ratio exactly 1), step 0 included. A sample of several stepped modalities
+is compared per modality and as a whole (its logprob: the element-weighted mean over modalities, each side's own
+`sample_logprob`, manifests.solvers.SAMPLE_LOGPROB_REDUCTION).
 
 C3: two sets of K rollouts compared as distributions. Each test returns a p-value; a check passes when p > alpha:
   energy   the energy distance between the two samples of final latents (flattened), permutation test
@@ -159,6 +161,13 @@ def sde_noise_level_mismatch():
     return _patched(sde, "noise_level", lambda original: lambda s: original(s) * 0.75 / 0.7)
 
 
+def record_modalities_weighed_equally():
+    """The rollout's record weighs every stepped modality equally (element count 1 each): its sample logprob
+    becomes the plain mean over modalities (a multi-modality rollout only; vision-only records are unchanged)."""
+    from optimized.training import records
+    return _patched(records, "element_counts", lambda original: lambda latents: {m: 1 for m in latents})
+
+
 def stale_cache_after_update():
     """The weight update does not bump the version its caches are keyed by: old entries survive the update."""
     from optimized.training import weights
@@ -241,6 +250,8 @@ class LogprobIdentity:
         rc = recompute_logprobs(self.engine, sample.record, sample.request, use_cache=use_cache)
         self.checks.append(logprob_check(f"{self.prefix}/{name}", sample.record.logprob, rc.logprob, 0.0,
                                          want_steps))
+        if len(sample.record.modalities) > 1:  # each modality too: the sample check alone could hide a swap
+            self.per_modality(name, sample.record, rc.logprobs, 0.0)
         if rc.table_mismatch:
             self.checks.append(exact_check(f"{self.prefix}/{name}:tables", False, rc.table_mismatch))
 
@@ -276,15 +287,30 @@ class LogprobIdentity:
         self.checks.append(logprob_check(f"{self.prefix}/batch8_serving_batched/sample3_vs_alone",
                                          alone[3].record.logprob, serving[3].record.logprob, serving_tol))
 
+    def per_modality(self, name: str, record, other: dict, tol: float) -> None:
+        """`{name}:{m}` for every stepped modality m: the record's logprobs of m vs `other[m]` (a tensor, or a
+        reference's per-step list), within tol."""
+        missing = [m for m in record.modalities if m not in other]
+        if missing:
+            self.checks.append(exact_check(f"{self.prefix}/{name}:modalities", False,
+                                           f"no logprobs for {missing}: the record steps {record.modalities}, the "
+                                           f"other side {sorted(other)}"))
+        for m in record.modalities:
+            if m in other:
+                theirs = other[m] if isinstance(other[m], torch.Tensor) else nan_logprobs(other[m])
+                self.checks.append(logprob_check(f"{self.prefix}/{name}:{m}", record.logprobs[m], theirs, tol))
+
     def against_reference(self, names, samples: dict, recompute, resample, tol: float) -> None:
         """The readable reference recomputes each record (`recompute(sample)`) and re-samples its seed
-        (`resample(request)`); both as per-step logprob lists (None on ODE steps), within tol."""
+        (`resample(request)`), both as `ReferenceLogprobs`, within tol: the sample's logprob, and for a
+        multi-modality sample every modality's."""
         for name in names:
             s = samples[name]
-            self.checks.append(logprob_check(f"{self.prefix}/{name}/reference_recompute", s.record.logprob,
-                                             nan_logprobs(recompute(s)), tol))
-            self.checks.append(logprob_check(f"{self.prefix}/{name}/reference_rollout", s.record.logprob,
-                                             nan_logprobs(resample(s.request)), tol))
+            for kind, theirs in (("reference_recompute", recompute(s)), ("reference_rollout", resample(s.request))):
+                self.checks.append(logprob_check(f"{self.prefix}/{name}/{kind}", s.record.logprob,
+                                                 nan_logprobs(theirs.sample), tol))
+                if len(s.record.modalities) > 1:
+                    self.per_modality(f"{name}/{kind}", s.record, theirs.by_modality, tol)
 
     def after_weight_update(self, warm, new_weights, cache: str) -> None:
         """A prompt cached under policy-v1, the weights updated to policy-v2 (the fault planted around the update):
@@ -322,6 +348,13 @@ def mixed_batch_set(engine, requests: list, background, faults: dict, fault: str
         engine.run_until_idle()
     results = [h.result() for h in handles]
     return sample_set([r["latents"]["vision"] for r in results], [r["behavior"].logprob for r in results])
+
+
+@dataclass
+class ReferenceLogprobs:
+    """A reference's logprobs of one sample, per step (None on ODE steps): per stepped modality and as a whole."""
+    by_modality: dict[str, list]
+    sample: list
 
 
 @dataclass

@@ -6,6 +6,9 @@ at a time, in record order, through the same loop kernel code the rollout ran (`
 cannot depend on what else was batched. A rollout captured with `CaptureSpec(batch_invariant=True)` ran the same
 way, so in fp32 its logprobs and the recompute's are identical (|delta| = 0.0, ratio exactly 1), step 0 included.
 
+The sample's logprob over several stepped modalities (`Recompute.logprob`) is the record's definition,
+`records.sample_logprob` (the element-weighted mean), weighted by the element counts of the latents scored here.
+
 Tables: the sigma / timestep tables are rebuilt from the request (the schedule is the request's, not the record's);
 a record whose tables differ is reported (`table_mismatch`), and the logprobs use the rebuilt tables.
 """
@@ -19,12 +22,13 @@ from typing import Any, Iterator
 import torch
 
 from optimized.solvers import sde as sde_solver
-from optimized.training.records import BehaviorRecord, request_hash
+from optimized.training.records import BehaviorRecord, element_counts, request_hash, sample_logprob
 
 
 @dataclass
 class Recompute:
     logprobs: dict[str, torch.Tensor]        # modality -> fp32 [N], NaN on ODE steps
+    numel: dict[str, int]                    # modality -> element count of the latents it scored
     weights_version: str
     sigmas: torch.Tensor
     timesteps: torch.Tensor
@@ -32,8 +36,9 @@ class Recompute:
 
     @property
     def logprob(self) -> torch.Tensor:
-        return self.logprobs[next(iter(self.logprobs))] if len(self.logprobs) == 1 else \
-            torch.stack(list(self.logprobs.values())).mean(0)
+        """The sample's per-step logprob: `sample_logprob` (the record's definition), weighted by the element
+        counts of the latents this recompute scored (not the record's own counts)."""
+        return sample_logprob(self.logprobs, self.numel)
 
 
 @contextlib.contextmanager
@@ -95,8 +100,8 @@ def recompute_logprobs(engine: Any, record: BehaviorRecord, request: Any, use_ca
                     out[m][i] = sde_solver.step_logprob(sde, v[m], x_in[m], x_out[m]).cpu()
     finally:
         loop.release(state)
-    return Recompute(out, str(engine.model.weights_version), sigmas.cpu(), timesteps.cpu(),
-                     _tables_differ(record, sigmas.cpu(), timesteps.cpu()))
+    return Recompute(out, element_counts(record.latents_at(0)), str(engine.model.weights_version), sigmas.cpu(),
+                     timesteps.cpu(), _tables_differ(record, sigmas.cpu(), timesteps.cpu()))
 
 
 @dataclass

@@ -10,6 +10,8 @@ On disk (`save` / `load`): one directory, written atomically (a temporary siblin
     tensors.safetensors  sigmas, timesteps, logprobs.<modality>, noise.<modality>.<step>, latents.<modality>.<i>
 Tensor naming: logprobs.<m> is fp32 [N] (NaN on ODE steps); noise.<m>.<i> the standard-normal draw of SDE step i;
 latents.<m>.<i> the latents entering step i (i = 0..N, N = after the last step) when captured.
+The sample's logprob (`BehaviorRecord.logprob`) is derived, never stored: `sample_logprob` of the per-modality
+logprobs weighted by extra["numel"] (each modality's element count; extra["logprob_reduction"] names the rule).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from manifests.solvers import SAMPLE_LOGPROB_REDUCTION
 from optimized.runtime.cache import content_hash
 
 FORMAT_VERSION = 1
@@ -108,6 +111,33 @@ def tensor_hash(t: torch.Tensor | None) -> str | None:
     return None if t is None else "sha256:" + content_hash(t)[:32]
 
 
+def element_counts(latents: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each stepped modality's element count: its weight in the sample's logprob (module-level so a negative
+    control can plant a wrong weighting)."""
+    return {m: int(t.numel()) for m, t in latents.items()}
+
+
+def sample_logprob(logprobs: dict[str, torch.Tensor], numel: dict[str, int]) -> torch.Tensor:
+    """The per-step log-probability of a whole sample over its stepped modalities, fp32 [N] (NaN on ODE steps):
+    the element-weighted mean sum_m n_m lp_m / sum_m n_m (manifests.solvers.SAMPLE_LOGPROB_REDUCTION).
+
+    Why this one: each per-modality value lp_m is the Gaussian log-density of that modality's drawn next latents
+    averaged over its n_m elements, so n_m lp_m is the modality's log-density. One SDE step draws every modality
+    independently given the same velocity forward, so the joint log-density of the step is sum_m n_m lp_m, and per
+    element of the whole sample (the per-element convention of every logprob here, which keeps a GRPO / PPO ratio
+    exp(logp_new - logp_old) on the same scale at any latent size) it is the element-weighted mean. A plain mean
+    over modalities is the density of nothing: it weighs a modality's elements by 1 / n_m, so a longer sound clip
+    would count for less. A vision-only sample's value is its vision logprob exactly.
+
+    The one definition on this side: the record, the recompute and C2 all call it (in fp64, returned as fp32)."""
+    missing = [m for m in logprobs if m not in numel]
+    if missing:
+        raise ValueError(f"sample_logprob: no element count for modalities {missing}")
+    total = sum(numel[m] for m in logprobs)
+    joint = sum(logprobs[m].to(torch.float64) * numel[m] for m in logprobs)
+    return (joint / total).to(torch.float32)
+
+
 @dataclass
 class BehaviorRecord:
     family: str
@@ -149,13 +179,11 @@ class BehaviorRecord:
 
     @property
     def logprob(self) -> torch.Tensor:
-        """The per-step log-probability of the whole sample: the element-weighted mean over modalities (vision
-        only, for a vision-only request)."""
-        if len(self.modalities) == 1:
-            return self.logprobs[self.modalities[0]]
-        sizes = self.extra.get("numel", {})
-        total = sum(sizes.get(m, 1) for m in self.modalities)
-        return sum(self.logprobs[m] * sizes.get(m, 1) for m in self.modalities) / total
+        """The per-step log-probability of the whole sample (`sample_logprob`: the element-weighted mean over the
+        stepped modalities, weighted by the element counts captured at init_state)."""
+        if "numel" not in self.extra:
+            raise ValueError("this record holds no per-modality element counts (extra['numel'])")
+        return sample_logprob({m: self.logprobs[m] for m in self.modalities}, self.extra["numel"])
 
     def latents_at(self, i: int) -> dict[str, torch.Tensor]:
         if not self.latents:
@@ -253,7 +281,8 @@ class BehaviorRecorder:
               ) -> "BehaviorRecorder":
         rec = cls(spec, dict(header), list(initial), num_steps)
         rec.header["initial_hashes"] = {m: tensor_hash(t) for m, t in initial.items()}
-        rec.header.setdefault("extra", {})["numel"] = {m: int(t.numel()) for m, t in initial.items()}
+        extra = rec.header.setdefault("extra", {})
+        extra["numel"], extra["logprob_reduction"] = element_counts(initial), SAMPLE_LOGPROB_REDUCTION
         rec.logprobs = {m: [] for m in initial}
         if spec.latents:
             rec.latents = {m: [t.detach().clone()] for m, t in initial.items()}

@@ -13,6 +13,9 @@ DanceGRPO (Xue et al. 2025), with eta = noise level:
     mean    = x + (v - eta^2 / 2 * score) dt
     std     = eta * sqrt(-dt)
 Steps outside the SDE window are Euler ODE steps x + dt v (no noise, no log-probability).
+
+A sample with several stepped modalities (cosmos3: vision, sound, action) has one log-probability per step:
+`sample_logprob`, the joint log-density of the step per element of the whole sample (manifests.solvers.SAMPLE_LOGPROB_REDUCTION).
 """
 
 from __future__ import annotations
@@ -33,6 +36,31 @@ def gaussian_logprob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
     x_next, mean, std = x_next.float(), mean.float(), std.float()
     per_element = -((x_next - mean) ** 2) / (2 * std ** 2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
     return per_element.mean()
+
+
+def sample_logprob(logprobs: dict[str, torch.Tensor | None], numel: dict[str, int]) -> torch.Tensor | None:
+    """One step's log-probability of a whole sample from its modalities' (None on an ODE step), fp32.
+
+    Rule (manifests.solvers.SAMPLE_LOGPROB_REDUCTION, "element_weighted_mean"): every modality's value is its
+    Gaussian log-density averaged over its n_m elements (`gaussian_logprob`), so its log-density is n_m * lp_m.
+    Given the step's one velocity forward, the modalities' next latents are drawn independently, so the step's joint
+    log-density is the sum of theirs, and averaged over the sample's elements (the same per-element scale as each
+    modality's value) it is sum_m n_m lp_m / sum_m n_m. One modality: its own value."""
+    given = [m for m, lp in logprobs.items() if lp is not None]
+    if not given:
+        return None
+    if len(given) != len(logprobs):
+        raise ValueError(f"sample_logprob: a step with logprobs for {given} only, of {list(logprobs)}")
+    joint = sum(float(logprobs[m]) * numel[m] for m in given)   # Python floats: fp64
+    return torch.tensor(joint / sum(numel[m] for m in given), dtype=torch.float32)
+
+
+def sample_logprobs(per_modality: dict[str, list], numel: dict[str, int]) -> list[torch.Tensor | None]:
+    """`sample_logprob` of every step: per_modality[m][i] is modality m's logprob at step i (None on ODE steps)."""
+    steps = {len(v) for v in per_modality.values()}
+    if len(steps) != 1:
+        raise ValueError(f"sample_logprobs: modalities hold different step counts {sorted(steps)}")
+    return [sample_logprob({m: v[i] for m, v in per_modality.items()}, numel) for i in range(steps.pop())]
 
 
 def flow_grpo_mean_std(x: torch.Tensor, v: torch.Tensor, sigmas: torch.Tensor, i: int, noise_level: float):

@@ -1,13 +1,14 @@
 """The trainer's side of a Wan SDE rollout, readable: from a request and the rollout's per-step latents, recompute
 every SDE step's log-probability with the reference pipeline. Plain data in, plain data out (the record format
-belongs to the runtime)."""
+belongs to the runtime). One stepped modality: the sample's logprob (`reference.solvers.sde.sample_logprob`, the
+element-weighted mean over modalities) is the vision logprob itself."""
 
 from __future__ import annotations
 
 import torch
 
 from manifests.wan.sampling import WanGenerateRequest
-from reference.solvers.sde import FlowSDE
+from reference.solvers.sde import FlowSDE, sample_logprobs
 from reference.wan.pipeline import WanReferencePipeline
 
 
@@ -34,4 +35,4 @@ def recompute_logprobs(pipe: WanReferencePipeline, request: WanGenerateRequest,
         v = pipe.guided_velocity(request, latents[i], t, pipe.expert_at(t), text, negative_text, image_embeds,
                                  condition)
         out.append(sde.logprob(v, latents[i], latents[i + 1], i))
-    return out
+    return sample_logprobs({"vision": out}, {"vision": latents[0].numel()})

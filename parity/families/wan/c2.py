@@ -19,7 +19,8 @@ from manifests.wan import WanModelConfig
 from parity.families.wan.common import ModelUnderTest, make_request, reference_pipeline, resolve_models
 from parity.family import DTYPES
 from parity.report import CheckResult, Report
-from parity.rollout_checks import LogprobIdentity, c2_faults, check_fault, cpu_threads, exact_check
+from parity.rollout_checks import (LogprobIdentity, ReferenceLogprobs, c2_faults, check_fault, cpu_threads,
+                                   exact_check)
 
 import optimized
 from reference.wan.recompute import recompute_logprobs as reference_recompute
@@ -71,9 +72,10 @@ def c2_checks(prefix: str, m: ModelUnderTest, device: str, dname: str, fault: st
     c2.group_of_8([sde_request(cfg, 100 + k) for k in range(8)], SERVING_BATCH_TOL)
 
     progress(f"[C2] {prefix}: the readable reference")
+    vision_only = lambda lps: ReferenceLogprobs({"vision": lps}, lps)  # noqa: E731 (one modality: its own)
     c2.against_reference(("flow_grpo_euler_cfg", "dance_grpo_cfg", "sde_window"), samples,
-                         lambda s: reference_recompute(pipe, s.request, s.record.latents["vision"]),
-                         lambda r: pipe.generate(r).logprobs, REFERENCE_TOL[dname])
+                         lambda s: vision_only(reference_recompute(pipe, s.request, s.record.latents["vision"])),
+                         lambda r: vision_only(pipe.generate(r).logprobs), REFERENCE_TOL[dname])
 
     progress(f"[C2] {prefix}: after a weight update")
     # the prompt's embeddings are cached under policy-v1 before the update
