@@ -70,6 +70,17 @@ CASES = {
                  description="tiny UMT5 encoder (8 buckets, max distance 16): prompts of 5 and 19 tokens padded "
                              "to 24 (distances past max_distance), raw hidden states and the pipeline's "
                              "trimmed, zero-padded prompt embeds"),
+    "umt5_original": dict(probe="wan.umt5", variant="tiny-2.1-t2v", seed=470, upstream_format="original",
+                          prompt_lens=[7, 16], max_sequence_length=20,
+                          description="tiny UMT5 encoder stored in the original Wan-AI layout (wan/modules/t5.py "
+                                      "T5Encoder: token_embedding, attn.q/k/v/o, pos_embedding, norm1 / norm2, "
+                                      "ffn.gate.0 / fc1 / fc2, norm) as models_t5_umt5-xxl-enc-bf16.pth (fp32): "
+                                      "gate.0 and fc1 are equal in shape and independent, so crossing them fails"),
+    "dit_t2v_original": dict(probe="wan.dit", variant="tiny-2.1-t2v", seed=480, upstream_format="original", calls=[
+        dict(latents=[1, 4, 2, 4, 6], timestep=[777], text_len=16, text_lens=[10])],
+        description="tiny Wan2.1 T2V DiT stored in the original Wan-AI release layout (self_attn / cross_attn, "
+                    "norm3 = the cross-attention norm, head.*, modulation): the second original-layout case, so a "
+                    "converter that crosses self / cross attention names fails two cases"),
 }
 
 
@@ -150,18 +161,59 @@ TO_ORIGINAL = (
 
 def original_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's weights in the original Wan-AI layout, checked against upstream's own converter."""
-    import re
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-    orig = {}
-    for k, v in sd.items():
-        name = k
-        for pattern, repl in TO_ORIGINAL:
-            name = re.sub(pattern, repl, name)
-        orig[name] = v
+    orig = _renamed(sd, TO_ORIGINAL)
     back = convert_wan_transformer_to_diffusers(dict(orig))
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd), "not the inverse of upstream's"
+    return orig
+
+
+# transformers UMT5EncoderModel name -> original Wan-AI T5Encoder name (Wan-Video wan/modules/t5.py, shared_pos=False:
+# one relative bias per block); diffusers has no converter for this file, so build_case checks the mapping by
+# computing Wan's T5FeedForward (`fc2(fc1(x) * gate(x))`, gate = [Linear, tanh-GELU]) from the renamed tensors
+UMT5_TO_ORIGINAL = (
+    (r"^shared\.weight$", "token_embedding.weight"),
+    (r"^encoder\.final_layer_norm\.", "norm."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.relative_attention_bias\.", r"blocks.\1.pos_embedding.embedding."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.(q|k|v|o)\.", r"blocks.\1.attn.\2."),
+    (r"^encoder\.block\.(\d+)\.layer\.0\.layer_norm\.", r"blocks.\1.norm1."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"blocks.\1.norm2."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_0\.", r"blocks.\1.ffn.gate.0."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wi_1\.", r"blocks.\1.ffn.fc1."),
+    (r"^encoder\.block\.(\d+)\.layer\.1\.DenseReluDense\.wo\.", r"blocks.\1.ffn.fc2."),
+)
+UMT5_ORIGINAL_FILE = "models_t5_umt5-xxl-enc-bf16.pth"   # the release's name (its dtype: bf16; stored here in fp32)
+
+
+def _renamed(sd: dict[str, torch.Tensor], table) -> dict[str, torch.Tensor]:
+    import re
+    out = {}
+    for k, v in sd.items():
+        name = k
+        for pattern, repl in table:
+            name = re.sub(pattern, repl, name)
+        out[name] = v
+    return out
+
+
+@torch.no_grad()
+def original_umt5_state_dict(model) -> dict[str, torch.Tensor]:
+    """The encoder's weights in the Wan-AI T5Encoder layout (the tied `encoder.embed_tokens` copy dropped), checked
+    by running Wan's feed-forward block (T5LayerNorm norm2, then fc2(fc1(x) * gelu_tanh(gate.0(x))), residual) from
+    the renamed tensors against transformers' own `layer[1]` of every block."""
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "encoder.embed_tokens.weight"}
+    orig = _renamed(sd, UMT5_TO_ORIGINAL)
+    assert len(orig) == len(sd) and all(k.startswith(("blocks.", "token_embedding.", "norm.")) for k in orig), \
+        sorted(orig)
+    x = torch.randn(3, 5, model.config.d_model, generator=torch.Generator().manual_seed(0))
+    gelu_tanh = lambda u: 0.5 * u * (1.0 + torch.tanh((2.0 / torch.pi) ** 0.5 * (u + 0.044715 * u ** 3)))
+    for i, block in enumerate(model.encoder.block):
+        o = {k.split(".", 2)[2]: v for k, v in orig.items() if k.startswith(f"blocks.{i}.")}
+        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.config.layer_norm_epsilon) * o["norm2.weight"]
+        wan = x + (n @ o["ffn.fc1.weight"].T * gelu_tanh(n @ o["ffn.gate.0.weight"].T)) @ o["ffn.fc2.weight"].T
+        assert torch.allclose(wan, block.layer[1](x), rtol=1e-5, atol=1e-5), f"block {i}: not Wan's T5FeedForward"
     return orig
 
 
@@ -259,7 +311,9 @@ def build_case(name: str, out_root: Path) -> Path:
         shutil.rmtree(case)
     (case / "upstream").mkdir(parents=True)
     fmt = spec.get("upstream_format")
-    if fmt == "original":   # the release layout: WanModel names, no config the converter reads (params.variant)
+    if fmt == "original" and spec["probe"] == "wan.umt5":   # the release's .pth: T5Encoder names, no config
+        torch.save(original_umt5_state_dict(model), case / "upstream" / UMT5_ORIGINAL_FILE)
+    elif fmt == "original":   # the release layout: WanModel names, no config the converter reads (params.variant)
         save_file(original_state_dict(model), str(case / "upstream" / "diffusion_pytorch_model.safetensors"))
     else:
         model.save_pretrained(case / "upstream", safe_serialization=True)
@@ -281,7 +335,7 @@ def build_case(name: str, out_root: Path) -> Path:
         upstream = {"package": "transformers", "version": transformers.__version__, "class": "UMT5EncoderModel"}
         params = {"max_sequence_length": spec["max_sequence_length"], "seq_lens": spec["prompt_lens"],
                   "variant": spec["variant"]}
-        fmt = "transformers"
+        fmt = fmt or "transformers"
     meta = {"family": "wan", "probe": spec["probe"], "upstream": {**upstream, "torch": torch.__version__},
             "upstream_format": fmt, "dtype": dtype, "seed": spec["seed"],
             "tolerance": {"rel_l2": spec.get("tolerance", REL_L2_TOL)},
@@ -298,7 +352,14 @@ def build_case(name: str, out_root: Path) -> Path:
 def verify_case(case: Path) -> bool:
     _setup()
     meta = json.loads((case / "case.json").read_text())
-    if meta["upstream_format"] == "original":   # back through upstream's converter into the variant's model
+    if meta["upstream_format"] == "original" and meta["probe"] == "wan.umt5":   # back through the inverse renaming
+        model = build_model({"probe": "wan.umt5", "variant": meta["params"]["variant"], "seed": meta["seed"]})
+        inverse = _renamed({k: k for k in model.state_dict() if k != "encoder.embed_tokens.weight"},
+                           UMT5_TO_ORIGINAL)   # original name -> transformers name
+        stored = torch.load(case / "upstream" / UMT5_ORIGINAL_FILE, weights_only=True)
+        missing, unexpected = model.load_state_dict({inverse[k]: v for k, v in stored.items()}, strict=False)
+        assert set(missing) <= {"encoder.embed_tokens.weight"} and not unexpected, (missing, unexpected)
+    elif meta["upstream_format"] == "original":   # back through upstream's converter into the variant's model
         from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
         model = build_model({"probe": "wan.dit", "variant": meta["params"]["variant"], "seed": meta["seed"]})
         weights = case / "upstream" / "diffusion_pytorch_model.safetensors"
