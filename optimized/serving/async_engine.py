@@ -7,27 +7,39 @@
     await handle.cancel()                                              # stops at the next step boundary
     await engine.close()
 
-Threading: only the driver thread touches the scheduler. Every call from asyncio (submit, cancel) is a closure put
-on the driver's command queue and answered through a future; between commands the driver ticks the scheduler while
-it has work and sleeps on the queue otherwise. Events reach asyncio through `loop.call_soon_threadsafe`, so a slow
-or failing consumer never runs on (or stops) the driver: an exception in an `AsyncEngine.subscribe` callback or in
-the body of one `async for` is that consumer's own, every other request and subscriber goes on. Artifacts (MP4,
-PNG) are written off the driver thread (`asyncio.to_thread`) before a result resolves.
+Threading: only the driver thread touches the scheduler. The control plane never waits on a tick: `submit` builds
+and validates the request on the event loop (reading the engine, never the scheduler: a refusal is raised there,
+before anything is queued or allocated), then puts its start on the driver's command queue and returns; `cancel`
+queues the cancel and returns. The driver drains that queue between ticks (every request advances at most one step
+per tick) and sleeps on it when idle. A start the driver still refuses ends its handle with `request.failed`, so
+every `request.accepted` a subscriber sees is followed by a terminal event. Events reach asyncio through
+`loop.call_soon_threadsafe`, so a slow or failing consumer never runs on (or stops) the driver: an exception in an
+`AsyncEngine.subscribe` callback or in the body of one `async for` is that consumer's own, every other request and
+subscriber goes on. Artifacts (MP4, PNG) are written off the driver thread (`asyncio.to_thread`) before a result
+resolves.
+
+Retention: `handles` holds every unfinished request; a finished one is held (with its result) until its owner fetches
+it (`await handle.result()`, `release(id)`) or `result_ttl` seconds pass, and at most `max_finished` of them (oldest
+dropped first). An Engine is driven by one AsyncEngine at a time, and request ids are unique per Engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
+import time
+import uuid
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 
 from optimized.programs import TERMINAL, VideoEvent, VideoProgram, VideoResult, check_out_path, write_video_artifacts
+from optimized.runtime.scheduler import RequestRejected
 
 log = logging.getLogger("optimized.serving")
+TERMINAL_KINDS = ("request.completed", "request.failed", "request.cancelled")
 
 
 class QueueFull(RuntimeError):
@@ -38,14 +50,20 @@ class EngineClosed(RuntimeError):
     """The engine was closed; no new requests."""
 
 
+class EngineBusy(RuntimeError):
+    """The Engine is already driven by another open AsyncEngine (two drivers would tick one scheduler at once)."""
+
+
 class AsyncHandle:
     """One video request on an AsyncEngine."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, out: Any):
+    def __init__(self, engine: "AsyncEngine", request_id: str, out: Any, program: VideoProgram):
         self.engine, self.out = engine, out
-        self.program: VideoProgram | None = None       # set by the driver when the program starts
+        self.program = program                          # started by the driver (status "waiting" until then)
         self.request_id = request_id
         self.history: list[VideoEvent] = []            # every event so far (late subscribers replay it)
+        self.finished_at: float | None = None          # loop.time() of the terminal event
+        self.cancel_requested = False
         self._queues: list[asyncio.Queue] = []
         self._done = asyncio.Event()
         self._result: asyncio.Future = engine.loop.create_future()
@@ -53,7 +71,7 @@ class AsyncHandle:
 
     @property
     def status(self) -> str:
-        return self.final_status or (self.program.status if self.program is not None else "waiting")
+        return self.final_status or self.program.status
 
     @property
     def stage(self) -> str | None:
@@ -61,6 +79,8 @@ class AsyncHandle:
 
     # called on the event loop (through call_soon_threadsafe)
     def _deliver(self, ev: VideoEvent) -> None:
+        if self.final_status is not None:
+            return  # ended (e.g. refused at start): nothing after the terminal event
         if ev.kind == "request.completed" and self.out is not None and not self._result.done():
             # write the artifacts off the driver thread, then announce completion
             asyncio.ensure_future(self._write_then_complete(ev))
@@ -80,7 +100,7 @@ class AsyncHandle:
         for q in list(self._queues):
             q.put_nowait(ev)
         self.engine._fan_out(ev)
-        if ev.kind in ("request.completed", "request.failed", "request.cancelled"):
+        if ev.kind in TERMINAL_KINDS:
             if not self._result.done():
                 if ev.kind == "request.completed":
                     self._result.set_result(self.program.value)
@@ -89,6 +109,7 @@ class AsyncHandle:
                         f"video request {self.request_id} {ev.kind.split('.')[1]}"
                         + (f": {ev.data['error']}" if ev.data.get("error") else "")))
                     self._result.exception()  # retrieved here: nobody has to await a failed request
+            self.finished_at = self.engine.loop.time()
             self._done.set()
             self.engine._finished(self)
 
@@ -96,7 +117,7 @@ class AsyncHandle:
     def final_status(self) -> str | None:
         """completed | failed | cancelled once the request has ended (artifacts written), else None."""
         for ev in reversed(self.history):
-            if ev.kind in ("request.completed", "request.failed", "request.cancelled"):
+            if ev.kind in TERMINAL_KINDS:
                 return ev.kind.split(".")[1]
         return None
 
@@ -110,39 +131,61 @@ class AsyncHandle:
             while True:
                 ev = await q.get()
                 yield ev
-                if ev.kind in ("request.completed", "request.failed", "request.cancelled"):
+                if ev.kind in TERMINAL_KINDS:
                     return
         finally:
             if q in self._queues:
                 self._queues.remove(q)
 
     async def result(self) -> VideoResult:
-        return await asyncio.shield(self._result)
+        """The result (fetching it releases the handle from the engine: the caller holds it from then on)."""
+        try:
+            return await asyncio.shield(self._result)
+        finally:
+            if self._result.done():
+                self.engine.release(self.request_id)
 
     async def wait(self) -> str:
         await self._done.wait()
         return self.final_status
 
     async def cancel(self) -> None:
-        """Ask the driver to stop this request at its next step boundary (returns once the request is marked)."""
-        if self.final_status is None:
-            await self.engine._call(self.program.cancel)
+        """Ask the driver to stop this request at its next step boundary; returns at once (never waits on a tick:
+        `wait()` for the terminal event)."""
+        if self.final_status is None and not self.cancel_requested:
+            self.cancel_requested = True
+            self.engine._post(self.program.cancel)
 
 
 class AsyncEngine:
     def __init__(self, engine: Any, *, max_queue: int = 64, idle_sleep: float = 0.05,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None, result_ttl: float = 600.0, max_finished: int = 256):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        driver = engine.__dict__.get("_async_driver")
+        if driver is not None and not driver._closed:
+            raise EngineBusy("this Engine is already driven by an open AsyncEngine; share that one (or close it "
+                             "first): two drivers would tick one scheduler at once")
         self.engine = engine
         self.max_queue = max_queue
         self.idle_sleep = idle_sleep
+        self.result_ttl, self.max_finished = result_ttl, max_finished
         self.loop = loop or asyncio.get_running_loop()   # made inside the application's event loop
-        self.handles: dict[str, AsyncHandle] = {}      # every request, ended ones included (for GET by id)
+        self.handles: dict[str, AsyncHandle] = {}      # unfinished requests + finished ones not yet fetched / expired
+        self._finished_order: OrderedDict[str, None] = OrderedDict()
         self.active: set[str] = set()
         self._subs: list[tuple[str, Callable[[VideoEvent], Any]]] = []
         self._commands: queue.Queue = queue.Queue()
         self._closed = False
-        self._ids = itertools.count()
         self.driver_errors: list[str] = []
+        from optimized.serving.families import media_chain
+        for name in engine.family.loops:   # built here, before the driver runs: submit's checks read them
+            engine.loop(name)
+        try:
+            media_chain(engine)
+        except ValueError:
+            pass  # no media chain: every video request is refused at submit, naming what is missing
+        engine.__dict__["_async_driver"] = self
         self._thread = threading.Thread(target=self._drive, name="fv-engine-driver", daemon=True)
         self._thread.start()
 
@@ -159,7 +202,13 @@ class AsyncEngine:
                 return
             if cmd is not None:
                 fn, fut = cmd
-                if fut.set_running_or_notify_cancel():
+                if fut is None:  # posted: nobody waits for it
+                    try:
+                        fn()
+                    except Exception as e:  # noqa: BLE001 - a control command must not kill the driver
+                        self.driver_errors.append(f"{type(e).__name__}: {e}")
+                        log.exception("driver command failed")
+                elif fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
                     except BaseException as e:  # noqa: BLE001 - the caller gets the exception
@@ -181,46 +230,76 @@ class AsyncEngine:
                 h.program.fail(f"engine error: {msg}")
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the driver and wait for its answer (tests and tools; the control plane uses `_post`)."""
         if self._closed:
             raise EngineClosed("the engine is closed")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
         return await asyncio.wrap_future(fut)
 
+    def _post(self, fn: Callable[[], Any]) -> None:
+        """Queue fn for the driver (run between ticks) without waiting for it."""
+        self._commands.put((fn, None))
+
     # ---------------------------------------------------------------- API
+    def _preflight(self, request: Any) -> None:
+        """Refuse on the event loop what the scheduler would refuse at submission, reading only the request and
+        the engine (never the scheduler's state): the engine's admission (`Engine.admit`: the contract's bounds,
+        the family's limits, peak bytes against the budget), so a refusal queues and allocates nothing."""
+        entry = self.engine.family
+        try:
+            entry.make_job(entry.loop_for(request), request)
+        except (TypeError, KeyError) as e:
+            raise RequestRejected(str(e)) from None
+        self.engine.admit(request)
+
+    def _request_id(self, given: str | None) -> str:
+        if given is None:
+            return f"video-{uuid.uuid4().hex[:16]}"    # unique per Engine, whichever AsyncEngine or caller made it
+        if "/" in given:
+            raise ValueError(f"request id {given!r}: '/' is reserved for stage ids")
+        records = self.engine.scheduler.records
+        if given in self.handles or any(f"{given}/{stage}" in records for stage in ("encode", "denoise", "decode")):
+            raise ValueError(f"request_id {given!r} already used")
+        return given
+
     async def submit(self, request: Any = None, *, out: Any = None, image: Any = None,
                      request_id: str | None = None, **fields: Any) -> AsyncHandle:
         """Queue a video request: a family request, or plain fields (prompt / prompt_ids, num_frames, height, width,
         num_steps, guidance_scale, seed, negative_prompt(_ids), image) built by `serving.requests.build_request`.
-        Raises QueueFull when `max_queue` requests are in flight, ServingError / RequestRejected when invalid."""
+        Returns once it is queued (never waits on the driver). Raises QueueFull when `max_queue` requests are in
+        flight, ServingError / RequestRejected (ValueErrors) when invalid."""
         if self._closed:
             raise EngineClosed("the engine is closed")
+        self._expire()
         if len(self.active) >= self.max_queue:
             raise QueueFull(f"{len(self.active)} requests in flight (max_queue {self.max_queue}); retry later")
         if out is not None:
             check_out_path(out)
-        rid = request_id or f"video-{next(self._ids)}"
-        if rid in self.handles:
-            raise ValueError(f"request_id {rid!r} already used")
+        rid = self._request_id(request_id)
+        req, img = request, image
+        if req is None:
+            from optimized.serving.requests import build_request
+            req, img = build_request(self.engine, image=image, **fields)
+        self._preflight(req)
+        prog = VideoProgram(self.engine, req, program_id=rid, out=None, image=img)
+        handle = AsyncHandle(self, rid, out, prog)
+        # the listener is attached before the program starts: no event is missed
+        prog.subscribe(lambda ev: self.loop.call_soon_threadsafe(handle._deliver, ev))
         self.active.add(rid)  # counted before the driver runs it, so a burst cannot overshoot max_queue
-        handle = AsyncHandle(self, rid, out)  # made on the event loop; the driver only attaches the program
-
-        def start() -> VideoProgram:
-            req, img = request, image
-            if req is None:
-                from optimized.serving.requests import build_request
-                req, img = build_request(self.engine, image=image, **fields)
-            prog = VideoProgram(self.engine, req, program_id=rid, out=None, image=img)
-            handle.program = prog  # the listener is attached before the program starts: no event is missed
-            prog.subscribe(lambda ev: self.loop.call_soon_threadsafe(handle._deliver, ev))
-            return prog.start()
-
-        try:
-            await self._call(start)
-        except BaseException:
-            self.active.discard(rid)
-            raise
         self.handles[rid] = handle
+
+        def start() -> None:
+            if handle.cancel_requested:   # cancelled before the driver reached it: nothing was submitted
+                self.loop.call_soon_threadsafe(handle._publish, VideoEvent("request.cancelled", rid, {}))
+                return
+            try:
+                prog.start()
+            except Exception as e:  # noqa: BLE001 - refused by the scheduler: this request ends, nothing else
+                error = f"rejected: {e}" if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                self.loop.call_soon_threadsafe(handle._publish, VideoEvent("request.failed", rid, {"error": error}))
+
+        self._post(start)
         return handle
 
     async def generate(self, request: Any = None, **kw: Any) -> VideoResult:
@@ -229,6 +308,25 @@ class AsyncEngine:
 
     async def cancel(self, request_id: str) -> None:
         await self.handles[request_id].cancel()
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (its owner holds the handle and result from here on)."""
+        h = self.handles.get(request_id)
+        if h is not None and h.final_status is not None:
+            del self.handles[request_id]
+            self._finished_order.pop(request_id, None)
+
+    def _expire(self) -> None:
+        """Drop finished handles past `result_ttl` or beyond `max_finished` (oldest first)."""
+        now = self.loop.time()
+        for rid in list(self._finished_order):
+            h = self.handles.get(rid)
+            if h is None:
+                self._finished_order.pop(rid, None)
+            elif len(self._finished_order) > self.max_finished or now - h.finished_at >= self.result_ttl:
+                self.release(rid)
+            else:
+                break  # in finishing order: the rest are younger
 
     def subscribe(self, fn: Callable[[VideoEvent], Any], prefix: str = "") -> Callable[[], None]:
         """fn(event) on the event loop for every request's events; an exception in fn is logged and contained."""
@@ -246,6 +344,9 @@ class AsyncEngine:
 
     def _finished(self, handle: AsyncHandle) -> None:
         self.active.discard(handle.request_id)
+        if handle.request_id in self.handles:
+            self._finished_order[handle.request_id] = None
+        self._expire()
 
     def deployment_card(self) -> dict:
         return self.engine.deployment_card()
@@ -266,6 +367,8 @@ class AsyncEngine:
         self._closed = True
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, 10.0)
+        if self.engine.__dict__.get("_async_driver") is self:
+            del self.engine.__dict__["_async_driver"]
 
     async def __aenter__(self) -> "AsyncEngine":
         return self

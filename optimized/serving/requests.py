@@ -37,16 +37,22 @@ def byte_ids(engine: Any, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def parse_ids(value: Any, field: str = "prompt_ids") -> torch.Tensor:
-    """'1,2,3' or [1, 2, 3] -> int64 tensor; ServingError naming the field otherwise."""
+def parse_ids(value: Any, field: str = "prompt_ids", vocab: int | None = None) -> torch.Tensor:
+    """'1,2,3' or [1, 2, 3] -> int64 tensor; ServingError naming the field otherwise (every id < `vocab` when
+    given, and always within int64: a larger integer must never reach torch, whose overflow names nothing)."""
     if isinstance(value, str):
         try:
             value = [int(v) for v in value.replace(" ", "").split(",") if v != ""]
-        except ValueError:
-            raise ServingError(f"{field} must be comma-separated integers, got {value!r}") from None
+        except ValueError:  # not digits, or more than Python's 4300-digit int limit
+            raise ServingError(f"{field} must be comma-separated integers, got {value[:80]!r}") from None
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, int) and not isinstance(v, bool)
                                                                     and v >= 0 for v in value):
         raise ServingError(f"{field} must be a non-empty list of non-negative integers")
+    limit = vocab if vocab is not None else 1 << 63
+    bad = next((i for i, v in enumerate(value) if v >= limit), None)
+    if bad is not None:
+        raise ServingError(f"{field}[{bad}] is out of range: token ids must be below "
+                           + (f"the vocabulary size {vocab}" if vocab is not None else "2**63"))
     return torch.tensor(list(value), dtype=torch.int64)
 
 
@@ -61,8 +67,58 @@ def parse_size(value: Any, field: str = "size") -> tuple[int, int]:
     return h, w
 
 
-def decode_image(data: bytes, field: str = "image") -> torch.Tensor:
-    """PNG / JPEG bytes -> [3, H, W] float in [-1, 1] (x / 127.5 - 1, the pipelines' mapping)."""
+# the largest upload decoded at all (its [3, H, W] float copy is 200 MiB); the family's own side limits apply too
+MAX_IMAGE_PIXELS = 4096 * 4096
+_JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # frame headers (not DHT)
+
+
+def image_header(data: bytes, field: str = "image") -> tuple[str, int, int]:
+    """(format, height, width) declared by a PNG (IHDR) or JPEG (SOFn) header, read without decoding anything;
+    ServingError naming the field for anything else."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) >= 24 and data[12:16] == b"IHDR":
+        return "PNG", int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
+    if data[:2] == b"\xff\xd8":
+        i = 2
+        while i + 4 <= len(data):
+            if data[i] != 0xFF:
+                break
+            marker = data[i + 1]
+            if marker == 0xFF:           # fill byte
+                i += 1
+                continue
+            if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:   # markers without a length
+                i += 2
+                continue
+            length = int.from_bytes(data[i + 2:i + 4], "big")
+            if marker in _JPEG_SOF and i + 9 <= len(data):
+                return "JPEG", int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+            if length < 2:
+                break
+            i += 2 + length
+        raise ServingError(f"{field}: a JPEG without a readable frame header")
+    raise ServingError(f"{field}: not a PNG or JPEG image")
+
+
+def check_image_header(data: bytes, field: str = "image", max_height: int | None = None,
+                       max_width: int | None = None) -> tuple[int, int]:
+    """(height, width) of an upload whose header declares a size this server decodes; ServingError otherwise."""
+    _, h, w = image_header(data, field)
+    if h <= 0 or w <= 0:
+        raise ServingError(f"{field}: the image declares an empty size {h}x{w}")
+    for side, value, limit in (("height", h, max_height), ("width", w, max_width)):
+        if limit is not None and value > limit:
+            raise ServingError(f"{field}: the image declares {side} {value}, above the family limit of {limit}")
+    if h * w > MAX_IMAGE_PIXELS:
+        raise ServingError(f"{field}: the image declares {h}x{w} pixels, more than the {MAX_IMAGE_PIXELS} this "
+                           f"server decodes; send a smaller image")
+    return h, w
+
+
+def decode_image(data: bytes, field: str = "image", max_height: int | None = None,
+                 max_width: int | None = None) -> torch.Tensor:
+    """PNG / JPEG bytes -> [3, H, W] float in [-1, 1] (x / 127.5 - 1, the pipelines' mapping). The header's declared
+    size is checked first (`check_image_header`): nothing over-large is ever decoded."""
+    check_image_header(data, field, max_height, max_width)
     try:
         from PIL import Image
         img = Image.open(io.BytesIO(data)).convert("RGB")
@@ -75,19 +131,43 @@ def decode_image(data: bytes, field: str = "image") -> torch.Tensor:
     return x / 127.5 - 1.0
 
 
-def decode_base64_image(text: str, field: str = "image") -> torch.Tensor:
+def base64_image_bytes(text: str, field: str = "image") -> bytes:
+    """The bytes of a base64 image (optionally a data: URL); ServingError naming the field otherwise."""
     if text.startswith("data:"):
         text = text.split(",", 1)[-1]
     try:
-        raw = base64.b64decode(text, validate=True)
+        return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise ServingError(f"{field} must be base64 (optionally a data: URL) of a PNG or JPEG") from None
-    return decode_image(raw, field)
+
+
+def decode_base64_image(text: str, field: str = "image", **limits: Any) -> torch.Tensor:
+    return decode_image(base64_image_bytes(text, field), field, **limits)
+
+
+def takes_image(engine: Any) -> bool:
+    """Whether the engine's model conditions on an image: its media chain has an encoder, or its family's request
+    builder accepts one (probed once with a default-sized blank image: the builders refuse an image naming it)."""
+    if "_takes_image" not in engine.__dict__:
+        chain = media_chain(engine)
+        if chain.encode_kernel is not None:
+            takes = True
+        else:
+            adapter = adapter_for(engine)
+            d = adapter.defaults
+            blank = torch.zeros(3, d["height"], d["width"])
+            try:
+                adapter.build(engine, RequestFields(torch.zeros(1, dtype=torch.int64), image=blank))
+                takes = True
+            except ServingError as e:
+                takes = not str(e).startswith("image")
+        engine.__dict__["_takes_image"] = takes
+    return engine.__dict__["_takes_image"]
 
 
 def tokens_for(engine: Any, prompt: str | None, prompt_ids: Any, field: str = "prompt") -> torch.Tensor:
     if prompt_ids is not None:
-        return parse_ids(prompt_ids, f"{field}_ids")
+        return parse_ids(prompt_ids, f"{field}_ids", vocab=text_limits(engine)[0])
     if prompt is None:
         raise ServingError(f"{field}: give a prompt or {field}_ids")
     if not str(getattr(engine.model, "weights_version", "") or "").startswith("random:"):

@@ -15,36 +15,59 @@ imageio-ffmpeg, also in the extra).
 Request fields (JSON or form): prompt | prompt_ids, negative_prompt | negative_prompt_ids, size "HEIGHTxWIDTH" (or
 height + width), frames (num_frames), steps (num_steps), guidance (guidance_scale), seed, image (base64 PNG/JPEG or a
 data: URL; multipart: a file), model (optional; must name the served model). Errors are JSON
-`{"error": {"message", "type", "param"}}`: 400 for a bad field (`param` names it), 404 for an unknown id, 409 for
-content that is not ready, 429 when `max_queue` requests are in flight, 413 for an oversized upload. Artifacts are
-written atomically (temp file + rename), and content is served only after every file of the video is in place.
+`{"error": {"message", "type", "param"}}`: 400 for a bad field or a malformed body (`param` names the field), 401
+without the API key (when one is set), 404 for an unknown id, 409 for content that is not ready, 429 when
+`max_queue` requests are in flight, 413 for an oversized body or upload, 503 while shutting down.
+
+Held under abuse: a request is refused (400) before anything is allocated (the engine's admission; an image's
+declared size is read from its header before it is decoded); the control plane never waits on the driver's tick;
+SIGTERM cancels in-flight work whatever clients are connected. Durable: artifacts are written atomically (temp file +
+rename), content is served only after every file of the video is in place, and the video index is a SQLite file
+beside them (`index.sqlite3` in --output-dir), recovered at start-up (stale temp files removed; videos a kill
+interrupted marked failed). Retention: ended videos beyond --keep-videos / --keep-bytes / --keep-seconds are evicted,
+oldest first, files included. API keys: --api-key or FVGEN_API_KEY (`Authorization: Bearer KEY` or `X-API-Key`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import ipaddress
 import json
+import math
+import os
 import re
+import socket
+import sqlite3
 import sys
 import time
 import uuid
+from dataclasses import asdict, dataclass, field, fields as dc_fields
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from optimized.serving.async_engine import AsyncEngine, EngineClosed, QueueFull
 from optimized.serving.families import ServingError
-from optimized.serving.requests import decode_base64_image, decode_image, parse_size
+from optimized.serving.requests import base64_image_bytes, decode_image, parse_size, takes_image
 
 FIELDS = {"model", "prompt", "prompt_ids", "negative_prompt", "negative_prompt_ids", "size", "height", "width",
           "frames", "num_frames", "seconds", "steps", "num_steps", "guidance", "guidance_scale", "seed", "image",
           "input_reference"}
 ALIASES = {"frames": "num_frames", "steps": "num_steps", "guidance": "guidance_scale"}
 INT_FIELDS = ("num_frames", "num_steps", "seed", "height", "width")
+INT_LIMIT = 1 << 63               # every integer field fits int64 (torch's), or it is a 400 naming the field
 MAX_UPLOAD_BYTES = 32 << 20
+CANCEL_WAIT_S = 2.0               # DELETE of an unfinished video waits at most this long for the cancel to land
+API_KEY_ENV = "FVGEN_API_KEY"
+TERMINAL_STATUSES = ("completed", "failed", "cancelled")
+# request-side names -> the public field names of this API
+PUBLIC = {"text_ids": "prompt_ids", "negative_text_ids": "negative_prompt_ids", "latent_height": "size",
+          "latent_width": "size", "latent_frames": "frames", "num_frames": "frames", "num_steps": "steps",
+          "guidance_scale": "guidance"}
 
 
 class BadField(ValueError):
@@ -53,8 +76,18 @@ class BadField(ValueError):
         self.param, self.status = param, status
 
 
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status)
+def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+          headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status,
+                        headers=headers)
+
+
+def public_param(name: str | None, body: dict) -> str | None:
+    """The API's name for a request field (height / width are `size` when the body gave a size)."""
+    if name is None:
+        return None
+    found = PUBLIC.get(name, name)
+    return "size" if found in ("height", "width") and "size" in body else found
 
 
 def guess_param(message: str, body: dict) -> str | None:
@@ -62,42 +95,50 @@ def guess_param(message: str, body: dict) -> str | None:
     names = ("negative_prompt_ids", "negative_text_ids", "prompt_ids", "text_ids", "num_frames", "height", "width",
              "num_steps", "guidance_scale", "seed", "image", "size", "prompt", "latent_height", "latent_width",
              "latent_frames")
-    public = {"text_ids": "prompt_ids", "negative_text_ids": "negative_prompt_ids", "latent_height": "size",
-              "latent_width": "size", "latent_frames": "frames", "num_frames": "frames", "num_steps": "steps",
-              "guidance_scale": "guidance"}
     for name in names:
         if re.search(rf"\b{name}\b", message):
-            found = public.get(name, name)
-            return "size" if found in ("height", "width", "size") and "size" in body else found
+            return public_param(name, body)
     if re.search(r"\bframe count\b|\bframes\b", message):
         return "frames"
     return None
 
 
 def _as_int(name: str, v: Any) -> int:
-    if isinstance(v, bool):
-        raise BadField(name, f"{name} must be an integer, got {v!r}")
-    if isinstance(v, int):
+    if isinstance(v, str) and re.fullmatch(r"-?\d{1,20}", v.strip()):
+        v = int(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        if not -INT_LIMIT < v < INT_LIMIT:
+            raise BadField(name, f"{name} is out of range (|{name}| < 2**63)")
         return v
-    if isinstance(v, str) and re.fullmatch(r"-?\d+", v.strip()):
-        return int(v)
-    raise BadField(name, f"{name} must be an integer, got {v!r}")
+    raise BadField(name, f"{name} must be an integer, got {str(v)[:80]!r}")
 
 
 def _as_float(name: str, v: Any) -> float:
     try:
         if isinstance(v, bool):
             raise ValueError
-        return float(v)
-    except (TypeError, ValueError):
-        raise BadField(name, f"{name} must be a number, got {v!r}") from None
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
+        raise BadField(name, f"{name} must be a number, got {str(v)[:80]!r}") from None
+    if not math.isfinite(x):
+        raise BadField(name, f"{name} must be a finite number, got {v!r}")
+    return x
 
 
-def parse_fields(body: dict, image_bytes: bytes | None) -> dict:
-    """Validated keyword fields for `AsyncEngine.submit` (BadField naming the field otherwise)."""
+@dataclass(frozen=True)
+class ImageLimits:
+    """What the served model accepts as an image: whether it takes one at all, and the family's side limits."""
+    accepted: bool
+    max_height: int | None = None
+    max_width: int | None = None
+
+
+def parse_fields(body: dict, image_bytes: bytes | None, image: ImageLimits) -> dict:
+    """Validated keyword fields for `AsyncEngine.submit` (BadField naming the field otherwise). An image is refused
+    before it is decoded when the model takes none or its header declares an over-large size."""
     unknown = sorted(set(body) - FIELDS)
     if unknown:
-        raise BadField(unknown[0], f"unknown field {unknown[0]!r}; fields: {sorted(FIELDS)}")
+        raise BadField(unknown[0], f"unknown field {unknown[0][:80]!r}; fields: {sorted(FIELDS)}")
     kw: dict = {}
     for key, value in body.items():
         if value is None or key in ("model", "image", "input_reference", "size", "seconds"):
@@ -126,199 +167,447 @@ def parse_fields(body: dict, image_bytes: bytes | None) -> dict:
         raise BadField("seconds", "seconds is not supported: give frames (the pixel frame count, 4k + 1)")
     if "prompt" not in kw and "prompt_ids" not in kw:
         raise BadField("prompt", "prompt (or prompt_ids) is required")
-    try:
-        if image_bytes is not None:
-            kw["image"] = decode_image(image_bytes, "image")
-        elif isinstance(body.get("image"), str):
-            kw["image"] = decode_base64_image(body["image"], "image")
-        elif body.get("image") is not None:
-            raise BadField("image", "image must be a base64 string (or a multipart file)")
-    except ServingError as e:
-        raise BadField("image", str(e)) from None
+    given = body.get("image", body.get("input_reference"))
+    if image_bytes is None and given is not None and not isinstance(given, str):
+        raise BadField("image", "image must be a base64 string (or a multipart file)")
+    if image_bytes is not None or given is not None:
+        if not image.accepted:
+            raise BadField("image", "image: this model takes no image")
+        try:
+            raw = image_bytes if image_bytes is not None else base64_image_bytes(given, "image")
+            kw["image"] = decode_image(raw, "image", image.max_height, image.max_width)
+        except ServingError as e:
+            raise BadField("image", str(e)) from None
     return kw
 
 
+# ------------------------------------------------------------------------------------------ the durable video index
+@dataclass
+class VideoEntry:
+    """One video this server made: what GET answers once the engine has let go of the request."""
+    id: str
+    status: str                       # queued | in_progress | completed | failed | cancelled
+    created_at: int
+    completed_at: int | None = None
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    seed: int | None = None
+    total_steps: int = 0
+    error: str | None = None
+    timings: dict | None = None
+    bytes: int = 0                    # of its files on disk (retention counts them)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Ended videos are kept while all three hold; beyond them the oldest are evicted, files included."""
+    max_videos: int = 1000
+    max_bytes: int = 20 << 30
+    max_age_s: float = 7 * 24 * 3600.0
+
+
+ARTIFACT_SUFFIXES = (".mp4", ".json", ".png", ".wav")
+VIDEO_ID = re.compile(r"video_[0-9a-f]{20}")
+
+
 class VideoStore:
-    """Metadata of every video this server made (by id), beside the AsyncEngine's handles."""
+    """The video index: a SQLite file beside the artifacts (one row per video, committed at every change, so a
+    kill loses no completed video), mirrored in memory. Runs on the event loop thread only."""
 
-    def __init__(self, output_dir: Path):
-        self.output_dir = output_dir
-        self.meta: dict[str, dict] = {}
+    def __init__(self, output_dir: Path, retention: Retention = Retention()):
+        self.output_dir, self.retention = output_dir, retention
+        self.db = sqlite3.connect(output_dir / "index.sqlite3", check_same_thread=False, isolation_level=None)
+        self.db.execute("CREATE TABLE IF NOT EXISTS videos (id TEXT PRIMARY KEY, entry TEXT NOT NULL)")
+        known = {f.name for f in dc_fields(VideoEntry)}
+        self.entries: dict[str, VideoEntry] = {}
+        for vid, text in self.db.execute("SELECT id, entry FROM videos"):
+            try:
+                self.entries[vid] = VideoEntry(**{k: v for k, v in json.loads(text).items() if k in known})
+            except (ValueError, TypeError):
+                self.db.execute("DELETE FROM videos WHERE id = ?", (vid,))
+        self.evicted = 0
 
-    def paths(self, vid: str) -> dict:
-        return {"video": self.output_dir / f"{vid}.mp4", "sidecar": self.output_dir / f"{vid}.json"}
+    def paths(self, vid: str) -> dict[str, Path]:
+        return {"video": self.output_dir / f"{vid}.mp4", "sidecar": self.output_dir / f"{vid}.json",
+                "thumbnail": self.output_dir / f"{vid}.png", "audio": self.output_dir / f"{vid}.wav"}
+
+    def save(self, entry: VideoEntry) -> None:
+        self.entries[entry.id] = entry
+        self.db.execute("INSERT OR REPLACE INTO videos (id, entry) VALUES (?, ?)", (entry.id, json.dumps(asdict(entry))))
+
+    def remove(self, vid: str) -> None:
+        """Forget the video first (GETs from here on are 404), then unlink its files (a reader holding one open
+        keeps reading it)."""
+        self.entries.pop(vid, None)
+        self.db.execute("DELETE FROM videos WHERE id = ?", (vid,))
+        for p in self.paths(vid).values():
+            p.unlink(missing_ok=True)
+
+    def recover(self) -> dict:
+        """At start-up: stale temp files removed (a kill mid-write), videos a kill interrupted marked failed (their
+        partial files removed), completed ones whose files are gone dropped, files no row names removed."""
+        stale = [p for p in self.output_dir.iterdir() if p.name.startswith(".video_") and p.is_file()]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        interrupted = 0
+        for entry in list(self.entries.values()):
+            if entry.status not in TERMINAL_STATUSES:
+                for p in self.paths(entry.id).values():
+                    p.unlink(missing_ok=True)
+                entry.status, entry.error = "failed", "interrupted: the server stopped before this video finished"
+                entry.completed_at, entry.bytes = int(time.time()), 0
+                self.save(entry)
+                interrupted += 1
+            elif entry.status == "completed" and not all(
+                    self.paths(entry.id)[k].is_file() for k in ("video", "sidecar", "thumbnail")):
+                self.remove(entry.id)
+        orphans = [p for p in self.output_dir.iterdir() if p.suffix in ARTIFACT_SUFFIXES
+                   and VIDEO_ID.fullmatch(p.stem) and p.stem not in self.entries]
+        for p in orphans:
+            p.unlink(missing_ok=True)
+        self.evict()
+        return {"stale_temp_files": len(stale), "interrupted": interrupted, "orphans": len(orphans)}
+
+    def evict(self, now: float | None = None) -> list[str]:
+        """Remove ended videos beyond the retention policy, oldest first."""
+        now = time.time() if now is None else now
+        ended = sorted((e for e in self.entries.values() if e.status in TERMINAL_STATUSES),
+                       key=lambda e: (e.completed_at or e.created_at, e.created_at))
+        total = sum(e.bytes for e in ended)
+        gone = []
+        for i, e in enumerate(ended):
+            left = len(ended) - i
+            old = now - (e.completed_at or e.created_at) > self.retention.max_age_s
+            if left > self.retention.max_videos or total > self.retention.max_bytes or old:
+                total -= e.bytes
+                self.remove(e.id)
+                gone.append(e.id)
+        self.evicted += len(gone)
+        return gone
+
+    def close(self) -> None:
+        self.db.close()
 
 
-def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, model_name: str | None = None) -> FastAPI:
-    """An app serving `engine` (a sync Engine: the app wraps it in an AsyncEngine on startup)."""
+def _sse(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n"
+
+
+async def _read_capped(request: Request) -> bytes:
+    """The body, refused with 413 past MAX_UPLOAD_BYTES before more of it is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
+        raise BadField(None, f"body larger than {MAX_UPLOAD_BYTES} bytes", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_UPLOAD_BYTES:
+            raise BadField(None, f"body larger than {MAX_UPLOAD_BYTES} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> None:
+    raise BadField(None, f"body is not valid JSON: {name} is not a JSON number")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """A JSON object from the raw body; BadField (400) for anything else (not UTF-8, not JSON, numbers past
+    Python's digit limit, nesting too deep)."""
+    try:
+        text = raw.decode("utf-8") if raw else "{}"
+    except UnicodeDecodeError as e:
+        raise BadField(None, f"body is not UTF-8 (byte {e.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise BadField(None, f"body is not valid JSON: {e.msg} at {e.pos}") from None
+    except RecursionError:
+        raise BadField(None, "body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer longer than Python converts (4300 digits)
+        raise BadField(None, f"body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(body, dict):
+        raise BadField(None, "body must be a JSON object")
+    return body
+
+
+def _request_schema(caps: dict) -> dict:
+    """The JSON body's OpenAPI schema (what clients and fuzzers read; the server checks every field itself)."""
+    ids = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                     {"type": "string"}]}
+    return {"type": "object", "additionalProperties": False, "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string"}, "negative_prompt": {"type": "string"},
+        "prompt_ids": ids, "negative_prompt_ids": ids,
+        "size": {"type": "string", "pattern": r"^\d+x\d+$", "description": "HEIGHTxWIDTH"},
+        "height": {"type": "integer", "minimum": 1, "maximum": caps.get("max_height") or 16384},
+        "width": {"type": "integer", "minimum": 1, "maximum": caps.get("max_width") or 16384},
+        "frames": {"type": "integer", "minimum": 1, "maximum": caps.get("max_frames") or 4096},
+        "steps": {"type": "integer", "minimum": 1}, "guidance": {"type": "number"},
+        "seed": {"type": "integer", "minimum": 0}, "image": {"type": "string", "description": "base64 PNG / JPEG"}}}
+
+
+def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, model_name: str | None = None,
+               retention: Retention = Retention(), api_key: str | None = None) -> FastAPI:
+    """An app serving `engine` (a sync Engine: the app wraps it in an AsyncEngine on startup). The video index in
+    `output_dir` is recovered here (before any request is served)."""
     from contextlib import asynccontextmanager
+
+    from optimized.runtime.artifacts import _atomic_write_bytes, png_bytes
 
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    store = VideoStore(out_dir)
+    store = VideoStore(out_dir, retention)
+    store.recover()
     card = engine.deployment_card()
     name = model_name or f"{card['family']}-{card['variant']}"
-    state: dict = {}
+    caps = card.get("capabilities", {})
+    image_limits = ImageLimits(takes_image(engine), caps.get("max_height"), caps.get("max_width"))
+    state: dict = {"closing": False, "tasks": set()}
+    live: dict = {}                    # video id -> AsyncHandle while the engine holds it
+    settled: dict[str, asyncio.Event] = {}
+
+    def begin_shutdown() -> None:
+        """Refuse new work and cancel what is in flight, so every stream (SSE included) ends and shutdown goes on."""
+        state["closing"] = True
+        for h in list(live.values()):
+            asyncio.ensure_future(h.cancel())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["engine"] = AsyncEngine(engine, max_queue=max_queue)
         state["engine"].subscribe(on_event)
+        app.state.loop = asyncio.get_running_loop()
         try:
             yield
         finally:
-            await asyncio.wait_for(state["engine"].close(), 60)
+            begin_shutdown()
+            try:
+                await asyncio.wait_for(state["engine"].close(), 60)
+                if state["tasks"]:
+                    await asyncio.wait_for(asyncio.gather(*state["tasks"], return_exceptions=True), 30)
+            finally:
+                store.close()
 
     app = FastAPI(title="FastVideo v2 engine", lifespan=lifespan)
+    app.state.begin_shutdown = begin_shutdown
+    app.state.store = store
 
-    def video_object(vid: str) -> dict:
-        h = state["engine"].handles[vid]
-        meta = store.meta[vid]
-        status = {"waiting": "queued", "running": "in_progress"}.get(h.status, h.status)
-        if h.status == "completed" and h.final_status is None:
-            status = "in_progress"  # denoised and decoded; artifacts still being written
-        done_steps = sum(1 for e in h.history if e.kind == "progress")
-        total = meta.get("total_steps") or 0
-        obj = {"id": vid, "object": "video", "model": name, "status": status, "stage": h.stage,
-               "progress": min(100, int(100 * done_steps / total)) if total else 0,
-               "created_at": meta["created_at"], "completed_at": meta.get("completed_at"),
-               "size": f"{meta['height']}x{meta['width']}" if meta.get("height") else None,
-               "frames": meta.get("num_frames"), "seed": meta.get("seed"), "error": None}
+    def video_object(entry: VideoEntry) -> dict:
+        h = live.get(entry.id)
+        status = entry.status
+        progress = 100 if status == "completed" else 0
+        stage = None
+        if h is not None:
+            status = {"waiting": "queued", "running": "in_progress"}.get(h.status, h.status)
+            if status in TERMINAL_STATUSES:
+                status = "in_progress"  # ended in the engine; the index is being updated
+            done_steps = sum(1 for e in h.history if e.kind == "progress")
+            progress = min(100, int(100 * done_steps / entry.total_steps)) if entry.total_steps else 0
+            stage = h.stage
+        obj = {"id": entry.id, "object": "video", "model": name, "status": status, "stage": stage,
+               "progress": progress, "created_at": entry.created_at, "completed_at": entry.completed_at,
+               "size": f"{entry.height}x{entry.width}" if entry.height else None, "frames": entry.num_frames,
+               "seed": entry.seed, "error": None}
         if status == "completed":
-            obj["url"] = f"/v1/videos/{vid}/content"
-            obj["timings"] = h.program.value.timings if h.program.value is not None else None
-        for ev in h.history:
-            if ev.kind == "request.failed":
-                obj["error"] = {"message": ev.data.get("error", "failed"), "type": "generation_error"}
+            obj["url"] = f"/v1/videos/{entry.id}/content"
+            obj["timings"] = entry.timings
+        if entry.error is not None:
+            obj["error"] = {"message": entry.error, "type": "generation_error"}
         return obj
 
+    async def finalize(vid: str, kind: str, error_text: str | None) -> None:
+        """The engine ended `vid`: thumbnail written, the index row committed, the engine's handle released."""
+        h, entry = live.get(vid), store.entries.get(vid)
+        try:
+            if entry is None or h is None:
+                return
+            status = kind.split(".")[1]
+            if status == "completed":
+                try:
+                    frame = h.program.value.frames[0]
+                    await asyncio.to_thread(lambda: _atomic_write_bytes(store.paths(vid)["thumbnail"],
+                                                                        png_bytes(frame)))
+                    entry.timings = h.program.value.timings
+                except Exception as e:  # noqa: BLE001 - a failed write fails this video only
+                    status, error_text = "failed", f"writing the thumbnail: {e}"
+            if status != "completed":
+                for p in store.paths(vid).values():
+                    p.unlink(missing_ok=True)
+            entry.status, entry.error = status, error_text
+            entry.completed_at = int(time.time())
+            entry.bytes = sum(p.stat().st_size for p in store.paths(vid).values() if p.is_file())
+            store.save(entry)
+            store.evict()
+        finally:
+            live.pop(vid, None)
+            state["engine"].release(vid)
+            settled.pop(vid, asyncio.Event()).set()
+
     def on_event(ev: Any) -> None:
-        meta = store.meta.get(ev.request_id)
-        if meta is None:
+        if ev.request_id not in live:
             return
-        if ev.kind == "request.stage" and ev.data.get("total"):
-            meta.setdefault("stage_totals", {})[ev.data["stage"]] = ev.data["total"]
         if ev.kind in ("request.completed", "request.failed", "request.cancelled"):
-            meta["completed_at"] = int(time.time())
+            task = asyncio.ensure_future(finalize(ev.request_id, ev.kind, ev.data.get("error")))
+            state["tasks"].add(task)
+            task.add_done_callback(state["tasks"].discard)
 
     @app.exception_handler(BadField)
     async def _bad_field(request: Request, exc: BadField):
         return error(exc.status, str(exc), exc.param)
 
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception):  # a bug answers with the envelope, never a drop
+        return error(500, f"internal error: {type(exc).__name__}", None, "server_error")
+
+    if api_key is not None:
+        @app.middleware("http")
+        async def _authenticate(request: Request, call_next):
+            if request.url.path.startswith("/v1/"):
+                given = request.headers.get("authorization", "")
+                token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+                if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), api_key.encode("utf-8")):
+                    return error(401, "missing or wrong API key (Authorization: Bearer KEY, or X-API-Key)", None,
+                                 "authentication_error", {"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
+
     @app.get("/health")
     async def health():
         eng = state["engine"]
-        return {"status": "ok", "model": name, "queue_depth": eng.queue_depth, "max_queue": eng.max_queue,
-                "driver_errors": len(eng.driver_errors)}
+        return {"status": "closing" if state["closing"] else "ok", "model": name, "queue_depth": eng.queue_depth,
+                "max_queue": eng.max_queue, "driver_errors": len(eng.driver_errors), "videos": len(store.entries)}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "fastvideo",
                                             "deployment_card": engine.deployment_card()}]}
 
-    @app.post("/v1/videos")
-    async def create(request: Request):
-        eng = state["engine"]
+    async def read_request(request: Request) -> tuple[dict, bytes | None]:
         ctype = request.headers.get("content-type", "")
-        image_bytes = None
-        if ctype.startswith("multipart/form-data"):
-            try:
-                form = await request.form()
-            except Exception as e:  # noqa: BLE001 - a malformed upload is the client's
-                raise BadField(None, f"malformed multipart body: {e}") from None
-            body = {}
-            for key, value in form.multi_items():
-                if hasattr(value, "read"):
-                    if key not in ("image", "input_reference"):
-                        raise BadField(key, f"unexpected file field {key!r} (use image)")
-                    image_bytes = await value.read()
-                    if len(image_bytes) > MAX_UPLOAD_BYTES:
-                        raise BadField(key, f"{key} is larger than {MAX_UPLOAD_BYTES} bytes", 413)
-                else:
-                    body[key] = value
-            if isinstance(body.get("prompt_ids"), str):
-                pass  # "1,2,3": parsed by the request builder
-        else:
-            raw = await request.body()
-            if len(raw) > MAX_UPLOAD_BYTES:
-                raise BadField(None, f"body larger than {MAX_UPLOAD_BYTES} bytes", 413)
-            try:
-                body = json.loads(raw or b"{}")
-            except json.JSONDecodeError as e:
-                raise BadField(None, f"body is not valid JSON: {e.msg} at {e.pos}") from None
-            if not isinstance(body, dict):
-                raise BadField(None, "body must be a JSON object")
+        if not ctype.startswith("multipart/form-data"):
+            return parse_json_body(await _read_capped(request)), None
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + (1 << 20):
+            raise BadField(None, f"body larger than {MAX_UPLOAD_BYTES} bytes", 413)
+        try:
+            form = await request.form()
+        except Exception as e:  # noqa: BLE001 - a malformed upload is the client's
+            raise BadField(None, f"malformed multipart body: {str(e)[:120]}") from None
+        body, image_bytes = {}, None
+        for key, value in form.multi_items():
+            if hasattr(value, "read"):
+                if key not in ("image", "input_reference"):
+                    raise BadField(key, f"unexpected file field {key[:80]!r} (use image)")
+                image_bytes = await value.read(MAX_UPLOAD_BYTES + 1)
+                if len(image_bytes) > MAX_UPLOAD_BYTES:
+                    raise BadField(key, f"{key} is larger than {MAX_UPLOAD_BYTES} bytes", 413)
+            else:
+                body[key] = value
+        return body, image_bytes
+
+    @app.post("/v1/videos", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": _request_schema(caps)}}}})
+    async def create(request: Request):
+        if state["closing"]:
+            return error(503, "the server is shutting down", None, "server_error")
+        body, image_bytes = await read_request(request)
         if body.get("model") not in (None, name):
-            raise BadField("model", f"model {body['model']!r} is not served here (served: {name!r})", 404)
-        kw = parse_fields(body, image_bytes)
+            raise BadField("model", f"model {str(body['model'])[:80]!r} is not served here (served: {name!r})", 404)
+        has_image = image_bytes is not None or body.get("image") is not None
+        kw = await asyncio.to_thread(parse_fields, body, image_bytes, image_limits) if has_image else \
+            parse_fields(body, image_bytes, image_limits)
         created = int(time.time())
         vid = f"video_{uuid.uuid4().hex[:20]}"
+        eng = state["engine"]
         try:
             handle = await eng.submit(out=store.paths(vid)["video"], request_id=vid, **kw)
         except QueueFull as e:
             return error(429, str(e), None, "rate_limit_error")
         except EngineClosed as e:
             return error(503, str(e), None, "server_error")
-        except ValueError as e:  # ServingError / RequestRejected / ManifestError: a bad field
+        except (ValueError, OverflowError, TypeError) as e:  # ServingError / RequestRejected / ManifestError
             msg = str(e)
-            return error(400, msg, guess_param(msg, body))
+            return error(400, msg, public_param(getattr(e, "field", None), body) or guess_param(msg, body))
         req = handle.program.request
-        store.meta[vid] = {"created_at": created, "seed": getattr(req, "seed", None),
-                           "num_frames": getattr(req, "num_frames", None) or kw.get("num_frames"),
-                           "height": getattr(req, "height", None) or kw.get("height"),
-                           "width": getattr(req, "width", None) or kw.get("width"),
-                           "total_steps": _total_steps(handle)}
-        return JSONResponse(video_object(vid), status_code=200)
+        entry = VideoEntry(vid, "queued", created, seed=getattr(req, "seed", None),
+                           num_frames=getattr(req, "num_frames", None) or kw.get("num_frames"),
+                           height=getattr(req, "height", None) or kw.get("height"),
+                           width=getattr(req, "width", None) or kw.get("width"), total_steps=_total_steps(handle))
+        live[vid] = handle
+        settled[vid] = asyncio.Event()
+        store.save(entry)
+        if handle.final_status is not None:  # ended before it was listed (e.g. refused by the driver)
+            on_event(handle.history[-1])
+        return JSONResponse(video_object(entry), status_code=200)
 
-    def _handle(vid: str):
-        eng = state["engine"]
-        if vid not in eng.handles or vid not in store.meta:
-            raise BadField("id", f"no video with id {vid!r}", 404)
-        return eng.handles[vid]
+    def _entry(vid: str) -> VideoEntry:
+        entry = store.entries.get(vid)
+        if entry is None:
+            raise BadField("id", f"no video with id {vid[:80]!r}", 404)
+        return entry
 
     @app.get("/v1/videos/{vid}")
     async def retrieve(vid: str):
-        _handle(vid)
-        return video_object(vid)
+        return video_object(_entry(vid))
 
     @app.get("/v1/videos/{vid}/content")
     async def content(vid: str, variant: str = "video"):
-        h = _handle(vid)
-        if h.final_status != "completed":
-            return error(409, f"video {vid} is {video_object(vid)['status']}; content exists once it is completed",
+        kinds = {"video": ("video/mp4", f'attachment; filename="{vid}.mp4"'), "sidecar": ("application/json", None),
+                 "thumbnail": ("image/png", None)}
+        if variant not in kinds:
+            raise BadField("variant", f"variant must be video, thumbnail or sidecar, got {variant[:80]!r}")
+        entry = _entry(vid)
+        if entry.status != "completed" or vid in live:
+            return error(409, f"video {vid} is {video_object(entry)['status']}; content exists once it is completed",
                          "id")
-        paths = store.paths(vid)
-        if variant == "video":
-            return FileResponse(paths["video"], media_type="video/mp4", filename=f"{vid}.mp4")
-        if variant == "sidecar":
-            return FileResponse(paths["sidecar"], media_type="application/json")
-        if variant == "thumbnail":
-            from optimized.runtime.artifacts import png_bytes
-            return Response(png_bytes(h.program.value.frames[0]), media_type="image/png")
-        raise BadField("variant", f"variant must be video, thumbnail or sidecar, got {variant!r}")
+        try:  # opened now: a DELETE from here on unlinks the name, this reader keeps the file
+            f = open(store.paths(vid)[variant], "rb")
+        except FileNotFoundError:
+            raise BadField("id", f"no video with id {vid!r} (deleted)", 404) from None
+        size = os.fstat(f.fileno()).st_size
+
+        async def body():
+            try:
+                while chunk := await asyncio.to_thread(f.read, 1 << 16):
+                    yield chunk
+            finally:
+                f.close()
+
+        media_type, disposition = kinds[variant]
+        headers = {"content-length": str(size), **({"content-disposition": disposition} if disposition else {})}
+        return StreamingResponse(body(), media_type=media_type, headers=headers)
 
     @app.delete("/v1/videos/{vid}")
     async def delete(vid: str):
-        h = _handle(vid)
-        if h.final_status is None:
+        entry = _entry(vid)
+        h = live.get(vid)
+        if h is not None:  # unfinished: cancel (queued for the driver), wait a little for it to land
             await h.cancel()
-            try:
-                await asyncio.wait_for(h.wait(), 60)
-            except asyncio.TimeoutError:
-                pass
-            return video_object(vid)
-        for p in store.paths(vid).values():
-            p.unlink(missing_ok=True)
-        store.meta.pop(vid, None)
+            done = settled.get(vid)
+            if done is not None:
+                try:
+                    await asyncio.wait_for(done.wait(), CANCEL_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
+            obj = video_object(store.entries.get(vid, entry))
+            if vid in live:
+                obj["status"] = "cancelling"
+            return obj
+        store.remove(vid)
         return {"id": vid, "object": "video.deleted", "deleted": True}
 
     @app.get("/v1/videos/{vid}/events")
     async def events(vid: str):
-        h = _handle(vid)
+        entry = _entry(vid)
+        h = live.get(vid)
 
         async def stream():
+            if h is None:  # ended and released: its terminal event
+                yield _sse(f"request.{entry.status}", {"request_id": vid, "status": entry.status,
+                                                       **({"error": entry.error} if entry.error else {})})
+                return
             async for ev in h.events():
-                yield f"event: {ev.kind}\ndata: {json.dumps(ev.to_json(), default=str)}\n\n"
+                yield _sse(ev.kind, ev.to_json())
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -340,9 +629,67 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a canonical model directory written by fvconvert")
     p.add_argument("--variant", help="a variant with seeded random weights (e.g. tiny-2.1-t2v, tiny); no checkpoint")
     p.add_argument("--seed-weights", type=int, default=0, help="seed of the random weights with --variant")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--plan", default="none", help="parallel plan (only 'none' for now)")
+
+
+def _bounded_int(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} is out of range ({lo}..{hi if hi is not None else ''})")
+        return v
+    return parse
+
+
+class SetupError(Exception):
+    """A setting the server cannot start with (exit 2, one message)."""
+
+
+def check_device(device: str) -> None:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise SetupError(f"--device {device!r}: give cpu, cuda or cuda:N")
+
+
+def check_output_dir(path: str) -> None:
+    """The output directory exists (made here) and is writable, before the engine loads."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise SetupError(f"--output-dir {path}: not a writable directory ({e.strerror or e})") from None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """The address can be bound now (as uvicorn will: SO_REUSEADDR), before the engine loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise SetupError(f"--host {host}: cannot resolve it ({e})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise SetupError(f"--host {host} --port {port}: cannot bind ({e.strerror or e}); is another server "
+                             f"on it?") from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,20 +698,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("family", nargs="?", help="family name (cosmos3, wan); optional with --variant / --model")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_bounded_int(0, 65535), default=8000)
     p.add_argument("--output-dir", default="fv_videos")
-    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--max-queue", type=_bounded_int(1), default=16, help="requests in flight at once (>= 1)")
+    p.add_argument("--keep-videos", type=_bounded_int(0), default=Retention.max_videos,
+                   help="ended videos kept (older ones evicted, files included)")
+    p.add_argument("--keep-bytes", type=_bounded_int(0), default=Retention.max_bytes,
+                   help="bytes of ended videos' files kept")
+    p.add_argument("--keep-seconds", type=_bounded_int(0), default=int(Retention.max_age_s),
+                   help="seconds an ended video is kept")
+    p.add_argument("--api-key", default=None, help=f"require this key on /v1/* (default: ${API_KEY_ENV}, if set)")
     args = p.parse_args(argv)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        if api_key is not None and not api_key.strip():
+            raise SetupError("--api-key: an empty key")
+        check_device(args.device)
+        check_output_dir(args.output_dir)
+        check_port_free(args.host, args.port)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if api_key is None and not is_loopback(args.host):
+        print(f"warning: serving on {args.host} (beyond loopback) without an API key: anyone who reaches the port "
+              f"can create and delete videos; set --api-key or {API_KEY_ENV}", file=sys.stderr)
     from optimized.serving.fvgen import load_engine, UsageError
     try:
         engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan,
                              args.seed_weights)
-    except UsageError as e:
+    except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn
-    uvicorn.run(create_app(engine, output_dir=args.output_dir, max_queue=args.max_queue), host=args.host,
-                port=args.port, log_level="warning")
+    retention = Retention(args.keep_videos, args.keep_bytes, float(args.keep_seconds))
+    try:
+        app = create_app(engine, output_dir=args.output_dir, max_queue=args.max_queue, retention=retention,
+                         api_key=api_key)
+    except (OSError, sqlite3.Error) as e:
+        print(f"error: --output-dir {args.output_dir}: cannot open the video index ({e})", file=sys.stderr)
+        return 2
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)   # uvicorn stops accepting, then waits for open connections:
+            loop = getattr(app.state, "loop", None)   # cancelling in-flight work ends every stream (SSE included)
+            if loop is not None:
+                loop.call_soon_threadsafe(app.state.begin_shutdown)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    Server(config).run()
     return 0
 
 
