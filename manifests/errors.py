@@ -1,2 +1,11 @@
 class ManifestError(ValueError):
     """A config, variant, manifest or contract that fails validation. The message says what and why."""
+
+
+class RequestFieldError(ManifestError):
+    """A generation request refused by its contract; `field` names the request field at fault (the HTTP server
+    answers 400 with it as `param`)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field

@@ -24,7 +24,32 @@ from optimized.runtime.family import FamilyEntry, LoopOptions
 from optimized.runtime.loop import LoopKernel
 from optimized.runtime.scheduler import RequestRecord, RequestRejected, UnknownRequest, WorkUnitScheduler
 
-__all__ = ["Engine", "RequestHandle", "RequestRejected", "UnknownRequest", "check_finite_weights"]
+__all__ = ["Engine", "RequestHandle", "RequestRejected", "UnknownRequest", "check_finite_weights", "check_dtype",
+           "default_memory_budget"]
+
+ENGINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what every family's kernels run in
+HOST_MEMORY_BUDGET = 8 << 30     # a CPU engine's default budget (pass memory_budget_bytes to change it)
+VIDEO_PHASES = ("denoise", "decode", "artifact")   # what a whole video program costs (FamilyEntry.request_cost)
+
+
+def check_dtype(dtype: Any) -> torch.dtype:
+    """The engine's compute dtype, refused at construction (ValueError) unless the kernels run in it."""
+    if dtype not in ENGINE_DTYPES:
+        raise ValueError(f"dtype {dtype!r}: the engine runs in one of "
+                         f"{', '.join(str(d).replace('torch.', '') for d in ENGINE_DTYPES)}")
+    return dtype
+
+
+def default_memory_budget(device: Any) -> int:
+    """The bytes one engine may plan to use: the device's memory on CUDA, HOST_MEMORY_BUDGET on the host."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    return HOST_MEMORY_BUDGET
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB"
 
 
 def check_finite_weights(weights: dict[str, dict[str, torch.Tensor]], where: str = "weights") -> None:
@@ -37,8 +62,12 @@ def check_finite_weights(weights: dict[str, dict[str, torch.Tensor]], where: str
 
 @dataclass
 class RequestHandle:
+    """The owner of a submitted request: `result()` takes the result from the scheduler's record (which then holds
+    no tensors), so the result lives as long as the handle does."""
     engine: "Engine"
     record: RequestRecord
+    _result: Any = None
+    _taken: bool = False
 
     @property
     def request_id(self) -> str:
@@ -52,6 +81,11 @@ class RequestHandle:
     def events(self) -> list[Event]:
         return list(self.record.events)
 
+    @property
+    def weights_version(self) -> str | None:
+        """The weights version this request is computed with (the one resident when it was submitted)."""
+        return self.record.weights_version
+
     def cancel(self) -> None:
         self.engine.scheduler.cancel(self.request_id)
 
@@ -61,13 +95,20 @@ class RequestHandle:
         if self.record.status != "completed":
             raise RuntimeError(f"request {self.request_id} {self.record.status}"
                                + (f": {self.record.error}" if self.record.error else ""))
-        return self.record.result
+        if not self._taken:   # held once: by this handle from now on
+            self._result, self.record.result, self._taken = self.record.result, None, True
+        return self._result
 
 
 class Engine:
     def __init__(self, instance: Any, entry: FamilyEntry, cfg_policy: str = "batched",
-                 memory_budget_bytes: int = 8 << 30, tick_budget_seconds: float = float("inf"), max_batch: int = 16,
-                 kv_blocks: int = 512, kv_block_size: int = 16, group: Any = None, batching: str = "measured"):
+                 memory_budget_bytes: int | None = None, tick_budget_seconds: float = float("inf"),
+                 max_batch: int = 16, kv_blocks: int = 512, kv_block_size: int = 16, group: Any = None,
+                 batching: str = "measured"):
+        if getattr(instance, "dtype", None) is not None:
+            check_dtype(instance.dtype)
+        if memory_budget_bytes is None:
+            memory_budget_bytes = default_memory_budget(getattr(instance, "device", None))
         self.model = instance
         self.family = entry
         self.options = LoopOptions(cfg_policy, kv_blocks, kv_block_size, group)
@@ -85,6 +126,7 @@ class Engine:
     def from_weights(cls, cfg: Any, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
                      dtype: torch.dtype = torch.float32, weights_version: str | None = None, **kw) -> "Engine":
         """Canonical weights by component (the family is the one whose config class `cfg` is); NaN / Inf refused."""
+        check_dtype(dtype)
         entry = family_of_config(cfg)
         check_finite_weights(weights)
         return cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=weights_version), entry, **kw)
@@ -105,6 +147,7 @@ class Engine:
                      family: str | None = None, **kw) -> "Engine":
         """Seeded random weights at a variant's shapes (benchmarks at released sizes; smoke runs). The family is
         the one whose variants include the name; `family=` picks one when several do."""
+        check_dtype(dtype)
         entry = family_of_variant(variant, family)
         return cls(entry.random_variant(variant, seed, device, dtype), entry, **kw)
 
@@ -115,6 +158,7 @@ class Engine:
         the weights version are read from it (tensors are never hashed); partial checkpoints are refused."""
         from manifests.checkpoint import CheckpointError, load_state, read_checkpoint
 
+        check_dtype(dtype)
         ckpt = read_checkpoint(path)
         try:
             entry = family(ckpt.family)
@@ -162,10 +206,34 @@ class Engine:
             job = self.family.make_job(name, request, **options)
         except TypeError as e:
             raise RequestRejected(str(e)) from None
-        too_big = self.family.capabilities.size_problem(request, self.family.name)  # before anything is allocated
+        self.admit(request, (name,))
+        handle = RequestHandle(self, self.scheduler.submit(self.loop(name), job, request_id))
+        handle.record.weights_version = getattr(self.model, "weights_version", None)
+        return handle
+
+    def admit(self, request: Any, phases: tuple[str, ...] = VIDEO_PHASES) -> None:
+        """Refuse `request` before anything is allocated (RequestRejected naming the field): its contract's bounds
+        (`request.validate`), the family's size limits, then its peak bytes over `phases` (the family's
+        `request_cost`, from the request's fields) against this engine's memory budget."""
+        validate = getattr(request, "validate", None)
+        if callable(validate):
+            try:
+                validate(self.model.cfg)
+            except TypeError:
+                pass  # a request validated another way: its loop's init_state checks it
+            except ValueError as e:
+                raise RequestRejected(str(e), getattr(e, "field", None)) from None
+        too_big = self.family.capabilities.oversized(request, self.family.name)
         if too_big:
-            raise RequestRejected(too_big)
-        return RequestHandle(self, self.scheduler.submit(self.loop(name), job, request_id))
+            raise RequestRejected(*too_big)
+        cost = self.family.request_cost(self, request, phases) if self.family.request_cost is not None else None
+        budget = self.scheduler.memory_budget_bytes
+        if cost is not None and cost.phases and cost.peak[1] > budget:
+            phase, peak = cost.peak
+            raise RequestRejected(
+                f"{self.family.name} request: needs about {_gib(peak)} at its peak ({phase}), more than this "
+                f"engine's memory budget of {_gib(budget)}; it can never fit (reduce {', '.join(cost.fields)})",
+                cost.fields[0] if cost.fields else None)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request at its next step boundary; UnknownRequest (a ValueError) for an id never accepted."""

@@ -157,6 +157,11 @@ class VideoProgram:
         self.engine, self.request, self.id, self.out, self.image = engine, request, program_id, out, image
         self.media = media_chain(engine)
         self.adapter = adapter_for(engine) if getattr(engine.family, "media", None) is None else None
+        # pinned at start: a program in flight across update_weights(policy="finish") runs and is labelled on the
+        # weights it started with (its denoise kernel holds that instance; the media chain its VAE)
+        self.weights_version = getattr(engine.model, "weights_version", None)
+        self.denoise_loop: str | None = None
+        self.denoise_kernel: Any = None
         self.status = "waiting"                    # waiting | running | completed | failed | cancelled
         self.stage: str | None = None
         self.stage_request: str | None = None
@@ -196,6 +201,13 @@ class VideoProgram:
 
     # ---- stages
     def start(self) -> "VideoProgram":
+        from optimized.engine import VIDEO_PHASES, RequestRejected
+        try:
+            self.denoise_loop = self.engine.family.loop_for(self.request)
+        except TypeError as e:
+            raise RequestRejected(str(e)) from None
+        self.engine.admit(self.request, VIDEO_PHASES)   # bounds, limits, peak bytes: before anything is allocated
+        self.denoise_kernel = self.engine.loop(self.denoise_loop)
         _router(self.engine).programs[self.id] = self
         self._emit("request.accepted", stages=self.stage_names())
         try:
@@ -222,14 +234,8 @@ class VideoProgram:
         self._emit("request.stage", stage=stage, total=self._total(stage, loop_request))
 
     def _submit_denoise(self) -> None:
-        entry = self.engine.family
-        name = entry.loop_for(self.request)
-        job = entry.make_job(name, self.request)
-        size_problem = getattr(entry.capabilities, "size_problem", None)   # the family's limits, as Engine.submit
-        too_big = size_problem(self.request, entry.name) if size_problem is not None else None
-        if too_big:
-            raise ValueError(too_big)
-        self._submit("denoise", self.engine.loop(name), job)
+        job = self.engine.family.make_job(self.denoise_loop, self.request)
+        self._submit("denoise", self.denoise_kernel, job)   # admitted at start (sizes do not change on encode)
 
     def _total(self, stage: str, loop_request: Any) -> int | None:
         req = getattr(loop_request, "request", loop_request)
@@ -255,9 +261,9 @@ class VideoProgram:
             self.status = "running"
         elif ev.kind == "request.completed":
             self.timings[self.stage] = _time.perf_counter() - self._stage_t0
-            result = self.engine.scheduler.records[ev.request_id].result
-            self._next(result)
+            self._next(self.engine.scheduler.take_result(ev.request_id))   # the program owns its stages' results
         elif ev.kind in ("request.failed", "request.cancelled"):
+            self.engine.scheduler.forget(ev.request_id)
             self._end("cancelled" if ev.kind == "request.cancelled" else "failed", ev.data.get("error"))
 
     def _next(self, result: Any) -> None:
@@ -280,8 +286,7 @@ class VideoProgram:
         seed_of = self.adapter.seed_of if self.adapter is not None else (lambda r: getattr(r, "seed", None))
         self.value = VideoResult(
             frames=to_uint8_frames(video), audio=audio, latents=self._latents, timings=dict(self.timings),
-            request_id=self.id, seed=seed_of(self.request), weights_version=getattr(self.engine.model,
-                                                                                      "weights_version", None),
+            request_id=self.id, seed=seed_of(self.request), weights_version=self.weights_version,
             fps=self.media.fps(self.request), sample_rate=self.media.sample_rate,
             media_weights_version=self.media.weights_version, request=self.request)
         if self.out is not None:

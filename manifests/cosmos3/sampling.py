@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 import torch
 
 from manifests.cosmos3.config import Cosmos3Config
-from manifests.errors import ManifestError
+from manifests.bounds import RequestBounds
+from manifests.errors import ManifestError, RequestFieldError
 from manifests.solvers import UniPCConfig  # noqa: F401  (re-exported: the cosmos3 request's sampler settings)
 from manifests.solvers import SDEConfig  # noqa: F401  (sde: stochastic rollout steps with logprobs)
 
 ACTION_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
+# what a cosmos3 generation may ask for at all (upstream's text encoder pads prompts to 512 tokens)
+BOUNDS = RequestBounds(max_steps=1000, max_abs_guidance=1e4, max_prompt_tokens=512, max_fps=1000.0)
 
 
 def _is_int(v) -> bool:
@@ -61,26 +64,29 @@ class Cosmos3GenerateRequest:
     sde: SDEConfig | None = None              # SDE rollout steps on the UniPC schedule (RL); None = ODE
 
     def validate(self, cfg: Cosmos3Config) -> "Cosmos3GenerateRequest":
-        def need(cond: bool, msg: str) -> None:
+        who = "cosmos3 request"
+
+        def need(cond: bool, msg: str, field: str | None = None) -> None:
             if not cond:
-                raise ManifestError(f"cosmos3 request: {msg}")
+                raise RequestFieldError(f"{who}: {msg}", field)
 
         for name in ("text_ids", "negative_text_ids"):
             ids = getattr(self, name)
             need(isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.ndim == 1 and ids.numel() > 0,
-                 f"{name} must be a non-empty int64 [L] tensor")
+                 f"{name} must be a non-empty int64 [L] tensor", name)
+            BOUNDS.check_prompt(who, ids.numel(), name)
             need(int(ids.min()) >= 0 and int(ids.max()) < cfg.vocab_size,
-                 f"{name} has token ids outside [0, {cfg.vocab_size})")
+                 f"{name} has token ids outside [0, {cfg.vocab_size})", name)
         for name in ("latent_frames", "latent_height", "latent_width"):
             v = getattr(self, name)
-            need(_is_int(v) and v > 0, f"{name} must be a positive int, got {v!r}")
-        need(_is_int(self.num_steps) and self.num_steps >= 1, f"num_steps must be >= 1, got {self.num_steps!r}")
-        need(_is_number(self.guidance_scale) and math.isfinite(self.guidance_scale),
-             f"guidance_scale must be finite, got {self.guidance_scale!r}")
-        need(_is_number(self.fps) and math.isfinite(self.fps) and self.fps > 0, f"fps must be > 0, got {self.fps!r}")
-        need(self.seed is not None or self.noise_vision is not None, "give a seed or explicit noise")
+            need(_is_int(v) and v > 0, f"{name} must be a positive int, got {v!r}", name)
+        BOUNDS.check_steps(who, self.num_steps)
+        BOUNDS.check_guidance(who, self.guidance_scale)
+        need(_is_number(self.fps) and math.isfinite(self.fps) and 0 < self.fps <= BOUNDS.max_fps,
+             f"fps must be in (0, {BOUNDS.max_fps:g}], got {self.fps!r}", "fps")
+        need(self.seed is not None or self.noise_vision is not None, "give a seed or explicit noise", "seed")
         need(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2 ** 64),
-             f"seed must be an int in [0, 2**64) or None, got {self.seed!r}")
+             f"seed must be an int in [0, 2**64) or None, got {self.seed!r}", "seed")
         self.scheduler.validate()
         if self.sde is not None:  # the SDE draws its per-step noise from the request's seeded generator
             need(isinstance(self.sde, SDEConfig), "sde must be an SDEConfig")
@@ -92,19 +98,20 @@ class Cosmos3GenerateRequest:
         shape = (1, cfg.latent_channels, T, self.latent_height, self.latent_width)
         if self.vision_condition_frames:
             need(self.condition_latents is not None and tuple(self.condition_latents.shape) == shape,
-                 f"condition_latents of shape {list(shape)} are required with vision_condition_frames")
+                 f"condition_latents of shape {list(shape)} are required with vision_condition_frames",
+                 "condition_latents")
         if self.noise_vision is not None:
-            need(tuple(self.noise_vision.shape) == shape, f"noise_vision must have shape {list(shape)}")
+            need(tuple(self.noise_vision.shape) == shape, f"noise_vision must have shape {list(shape)}", "noise_vision")
         need(_is_int(self.sound_frames) and self.sound_frames >= 0, f"sound_frames must be an int >= 0, got "
-             f"{self.sound_frames!r}")
+             f"{self.sound_frames!r}", "sound_frames")
         if self.sound_frames:
-            need(cfg.has_sound, "sound requested but the model has no sound head")
+            need(cfg.has_sound, "sound requested but the model has no sound head", "sound_frames")
             if self.noise_sound is not None:
                 need(tuple(self.noise_sound.shape) == (cfg.sound_dim, self.sound_frames),
                      f"noise_sound must have shape [{cfg.sound_dim}, {self.sound_frames}]")
         a = self.action
         if a is not None:
-            need(cfg.has_action, "action requested but the model has no action head")
+            need(cfg.has_action, "action requested but the model has no action head", "action")
             need(a.mode in ACTION_MODES, f"unknown action mode {a.mode!r}; expected one of {list(ACTION_MODES)}")
             need(isinstance(a.chunk_size, int) and a.chunk_size > 0, "action chunk_size must be > 0")
             need(0 <= a.domain_id < cfg.num_embodiment_domains,
@@ -140,7 +147,8 @@ def video_request(cfg: Cosmos3Config, *, num_frames: int, height: int, width: in
     """A request from pixel-space sizes (the Wan2.2 VAE: 16x spatial, 4x causal temporal), validated."""
     for name, v in (("height", height), ("width", width)):
         if not isinstance(v, int) or v <= 0 or v % spatial_compression:
-            raise ManifestError(f"cosmos3 request: {name} must be a positive multiple of {spatial_compression}, got {v}")
+            raise RequestFieldError(f"cosmos3 request: {name} must be a positive multiple of {spatial_compression}, "
+                                    f"got {v}", name)
     req = Cosmos3GenerateRequest(latent_frames=latent_frames_for(num_frames, temporal_compression),
                                  latent_height=height // spatial_compression, latent_width=width // spatial_compression,
                                  **kw)

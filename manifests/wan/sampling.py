@@ -16,9 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from manifests.errors import ManifestError
+from manifests.bounds import RequestBounds
+from manifests.errors import ManifestError, RequestFieldError
 from manifests.solvers import SDEConfig
 from manifests.wan.model import SOLVERS, WanModelConfig
+
+# what a wan request may ask for at all (the prompt also within the model's max_sequence_length)
+BOUNDS = RequestBounds(max_steps=1000, max_abs_guidance=1e4, max_prompt_tokens=512)
 
 
 @dataclass(frozen=True)
@@ -55,66 +59,74 @@ class WanGenerateRequest:
     def validate(self, cfg: WanModelConfig) -> "WanGenerateRequest":
         import torch
 
-        def need(c: bool, msg: str) -> None:
+        who = "wan request"
+
+        def need(c: bool, msg: str, field: str | None = None) -> None:
             if not c:
-                raise ManifestError(f"wan request: {msg}")
+                raise RequestFieldError(f"{who}: {msg}", field)
 
         def ids_ok(t, name: str) -> None:
             need(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point() and not t.is_complex(),
-                 f"{name} must be a 1-D integer tensor")
-            need(1 <= t.numel() <= cfg.max_sequence_length,
-                 f"{name} must hold 1..{cfg.max_sequence_length} tokens, got {t.numel()}")
+                 f"{name} must be a 1-D integer tensor", name)
+            BOUNDS.check_prompt(who, t.numel(), name, cfg.max_sequence_length)
             need(int(t.min()) >= 0 and int(t.max()) < cfg.text_encoder.vocab_size,
-                 f"{name} must be token ids in [0, {cfg.text_encoder.vocab_size})")
+                 f"{name} must be token ids in [0, {cfg.text_encoder.vocab_size})", name)
 
         ids_ok(self.text_ids, "text_ids")
-        for name in ("num_frames", "height", "width", "num_steps"):
+        for name in ("num_frames", "height", "width"):
             v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{name} must be a positive int, got {v!r}")
-        need(self.num_steps <= 1000, f"num_steps must be <= 1000, got {self.num_steps}")
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{name} must be a positive int, got {v!r}",
+                 name)
+        BOUNDS.check_steps(who, self.num_steps)
         try:
             cfg.vae.check_video_shape(self.num_frames, self.height, self.width)
         except ValueError as e:
-            raise ManifestError(f"wan request: {e}") from None
+            t, sc = cfg.vae.temporal_compression, cfg.vae.spatial_compression
+            field = "num_frames" if (self.num_frames - 1) % t else "height" if self.height % sc else "width"
+            raise RequestFieldError(f"{who}: {e}", field) from None
         _, T, h, w = self.latent_shape(cfg)
         _, ph, pw = cfg.dit.patch_size
         need(h % ph == 0 and w % pw == 0, f"latent size {h}x{w} must be a multiple of the DiT patch {ph}x{pw} "
-             f"(pixel size a multiple of {cfg.vae.spatial_compression * ph}x{cfg.vae.spatial_compression * pw})")
+             f"(pixel size a multiple of {cfg.vae.spatial_compression * ph}x{cfg.vae.spatial_compression * pw})",
+             "height" if h % ph else "width")
         for name in ("guidance_scale",) + (("guidance_scale_2",) if self.guidance_scale_2 is not None else ()):
-            v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) < 1e4,
-                 f"{name} must be a finite number, got {v!r}")
+            BOUNDS.check_guidance(who, getattr(self, name), name)
         need(self.guidance_scale_2 is None or cfg.two_experts,
-             "guidance_scale_2 needs a two-expert model (upstream refuses it without boundary_ratio)")
+             "guidance_scale_2 needs a two-expert model (upstream refuses it without boundary_ratio)",
+             "guidance_scale_2")
         if self.uses_cfg:
-            need(self.negative_text_ids is not None, "guidance_scale > 1 needs negative_text_ids")
+            need(self.negative_text_ids is not None, "guidance_scale > 1 needs negative_text_ids", "negative_text_ids")
         if self.negative_text_ids is not None:
             ids_ok(self.negative_text_ids, "negative_text_ids")
         need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                    and 0 <= self.seed < 2 ** 64),  # torch manual_seed takes an unsigned 64-bit int
-             f"seed must be an int in [0, 2**64) or None, got {self.seed!r}")
-        need(self.solver is None or self.solver in SOLVERS, f"solver must be one of {SOLVERS}, got {self.solver!r}")
+             f"seed must be an int in [0, 2**64) or None, got {self.seed!r}", "seed")
+        need(self.solver is None or self.solver in SOLVERS, f"solver must be one of {SOLVERS}, got {self.solver!r}",
+             "solver")
         if self.sde is not None:  # the SDE draws its per-step noise from the request's seeded generator
-            need(isinstance(self.sde, SDEConfig), "sde must be an SDEConfig")
+            need(isinstance(self.sde, SDEConfig), "sde must be an SDEConfig", "sde")
             self.sde.validate(self.num_steps)
-            need(self.seed is not None, "sde sampling needs a seed (its step noise is drawn from it)")
+            need(self.seed is not None, "sde sampling needs a seed (its step noise is drawn from it)", "seed")
         need(self.flow_shift is None or (isinstance(self.flow_shift, (int, float)) and 0 < self.flow_shift < 1e3),
-             f"flow_shift must be a positive number, got {self.flow_shift!r}")
+             f"flow_shift must be a positive number, got {self.flow_shift!r}", "flow_shift")
         if self.noise is not None:
             need(isinstance(self.noise, torch.Tensor) and self.noise.is_floating_point()
                  and tuple(self.noise.shape) == (1, *self.latent_shape(cfg)),
-                 f"noise must be a float tensor of shape {[1, *self.latent_shape(cfg)]}")
+                 f"noise must be a float tensor of shape {[1, *self.latent_shape(cfg)]}", "noise")
         if cfg.task == "i2v":
-            need(self.image is not None, "an i2v model needs an image")
+            need(self.image is not None, "an i2v model needs an image", "image")
         if self.image is not None:
-            need(cfg.task in ("i2v", "ti2v"), f"a {cfg.task} model takes no image")
+            need(cfg.task in ("i2v", "ti2v"), f"a {cfg.task} model takes no image", "image")
             need(isinstance(self.image, torch.Tensor) and self.image.is_floating_point()
                  and tuple(self.image.shape) == (3, self.height, self.width),
-                 f"image must be a float tensor of shape [3, {self.height}, {self.width}] in [-1, 1]")
+                 f"image must be a float tensor of shape [3, {self.height}, {self.width}] in [-1, 1]", "image")
         if cfg.dit.has_image_branch:
             need(isinstance(self.image_embeds, torch.Tensor) and self.image_embeds.is_floating_point()
                  and self.image_embeds.dim() == 2 and self.image_embeds.shape[1] == cfg.dit.image_dim,
-                 f"this model's DiT has an image branch: image_embeds must be a float tensor [N, {cfg.dit.image_dim}]")
+                 f"this model's DiT has an image branch: image_embeds must be a float tensor [N, {cfg.dit.image_dim}]",
+                 "image_embeds")
         else:
-            need(self.image_embeds is None, "this model's DiT has no image branch: image_embeds must be None")
+            need(self.image_embeds is None, "this model's DiT has no image branch: image_embeds must be None",
+                 "image_embeds")
         return self
+

@@ -42,7 +42,23 @@ class RequestExtent:
     tokens: int | None = None                   # text tokens the request holds (prompt, + generated for AR)
 
 
+@dataclass(frozen=True)
+class RequestCost:
+    """Peak bytes of a request by phase, computed from its fields alone (nothing allocated): what the engine compares
+    against its memory budget at admission. A phase's bytes are everything alive at its peak (e.g. "denoise": the
+    latents, solver history and texts held + the largest step's activations; "decode": the latents + the largest VAE
+    chunk + the decoded video so far; "artifact": the decoded video + its uint8 frames + the writer's copies)."""
+    phases: Mapping[str, int]                   # phase -> peak bytes while it runs
+    fields: tuple[str, ...] = ()                # the request fields the bytes grow with (named in a rejection)
+
+    @property
+    def peak(self) -> tuple[str, int]:
+        """(the phase of the peak, its bytes)."""
+        return max(self.phases.items(), key=lambda kv: kv[1])
+
+
 LIMITS = (("frames", "max_frames"), ("height", "max_height"), ("width", "max_width"), ("tokens", "max_tokens"))
+LIMIT_FIELDS = {"frames": "num_frames", "height": "height", "width": "width", "tokens": "text_ids"}  # request fields
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,11 @@ class Capabilities:
     def size_problem(self, request: Any, who: str) -> str | None:
         """Why `request` is larger than the family serves, or None. Values of the wrong type are left to the
         request's own validation (it refuses them with its own message)."""
+        problem = self.oversized(request, who)
+        return problem[0] if problem else None
+
+    def oversized(self, request: Any, who: str) -> tuple[str, str] | None:
+        """(why, the request field) when `request` is larger than the family serves, else None."""
         try:
             ext = self.extent(request)
         except (TypeError, ValueError, AttributeError):
@@ -83,7 +104,7 @@ class Capabilities:
             value, limit = getattr(ext, what), getattr(self, limit_name)
             if limit is not None and isinstance(value, int) and value > limit:
                 return (f"{who} request: {value} {what} exceeds the family limit of {limit} "
-                        f"(capabilities.{limit_name})")
+                        f"(capabilities.{limit_name})", LIMIT_FIELDS[what])
         return None
 
 
@@ -119,6 +140,9 @@ class FamilyEntry:
     processor_options: Callable[[Any], dict] = lambda engine: {}  # engine -> extra build_request options (model's)
     instance_config: Callable[[Any], Any] | None = None      # a model directory's whole-model config -> the
                                                              # instance's config (None: the same config)
+    # (engine, request, phases) -> its peak bytes by phase, from its fields alone (None: unknown); phases: the loop
+    # names to cost for a bare loop request, or ("denoise", "decode", "artifact") for a whole video program
+    request_cost: Callable[[Any, Any, tuple[str, ...]], RequestCost | None] | None = None
 
     def validate(self) -> "FamilyEntry":
         if not self.name or not self.name.isidentifier():

@@ -22,6 +22,12 @@ Each `tick()`:
   5. measure (`clock`; a step that compiled or captured its body is not a measurement), calibrate the cost model,
      emit `trace.step` (and `request.output` for what a step streams out), finish requests whose loop is done.
 
+Retention: a finished request's loop state is released at once (a completed one's; a failed or cancelled one keeps
+its state for diagnosis until it expires); its result is held by the record until its owner takes it
+(`RequestHandle.result()` moves it into the handle; a program stage's `take_result` also forgets the record). The
+scheduler keeps at most `retain_finished` finished records (oldest forgotten first), so memory stays flat however
+many requests it serves.
+
 Under a parallel plan every rank runs this scheduler on its own device: budgets, reservations and step bytes are per
 rank, and the cost model keys on the plan (`WorkPlan.parallel_plan_hash`).
 
@@ -42,7 +48,12 @@ from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
 
 
 class RequestRejected(ValueError):
-    """A request refused at submission (invalid, or can never fit); the message says why."""
+    """A request refused at submission (invalid, or can never fit); the message says why and `field` names the
+    request field at fault when one is (the HTTP server's 400 `param`)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class UnknownRequest(ValueError):
@@ -138,12 +149,13 @@ class RequestRecord:
     result: Any = None
     error: str | None = None
     events: list[Event] = field(default_factory=list)
+    weights_version: str | None = None  # the resident instance's version its kernel computes with (the engine's)
 
 
 class WorkUnitScheduler:
     def __init__(self, memory_budget_bytes: int = 8 << 30, tick_budget_seconds: float = float("inf"),
                  max_batch: int = 16, bus: EventBus | None = None, clock: Callable[[], float] = time.perf_counter,
-                 batching: str = "measured"):
+                 batching: str = "measured", retain_finished: int = 256):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         self.batching = batching           # "greedy": batch sizes never depend on timing (parity runs, tests)
@@ -156,6 +168,8 @@ class WorkUnitScheduler:
         self.warm: dict[tuple, None] = {}  # (group, bucket composition) with a compiled / captured body (ordered)
         self.graph_groups: set = set()     # groups whose step body reported a compiled / replayed graph
         self.records: dict[str, RequestRecord] = {}
+        self.retain_finished = retain_finished   # finished records kept for lookups (cancel, status), oldest forgotten
+        self._finished: dict[str, None] = {}     # finished ids, oldest first
         self.waiting: list[str] = []
         self.running: list[str] = []
         self.reserved_bytes = 0
@@ -186,7 +200,7 @@ class WorkUnitScheduler:
         except RequestRejected:
             raise
         except ValueError as e:  # invalid request: refused here, nothing else is disturbed
-            self._reject(rid, str(e))
+            self._reject(rid, str(e), getattr(e, "field", None))
         need = kernel.admission(state)
         first_step = kernel.plan_step(state).resources.device_bytes
         if need.device_bytes + first_step > self.memory_budget_bytes or not kernel.fits_ever(state):
@@ -200,9 +214,9 @@ class WorkUnitScheduler:
         self._emit("request.accepted", rec, reservation_bytes=need.device_bytes)
         return rec
 
-    def _reject(self, rid: str, reason: str) -> NoReturn:
-        self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": reason}))
-        raise RequestRejected(reason) from None
+    def _reject(self, rid: str, reason: str, field: str | None = None) -> NoReturn:
+        self.bus.emit(Event("request.rejected", rid, self.tick_count, {"reason": reason, "field": field}))
+        raise RequestRejected(reason, field) from None
 
     def record(self, request_id: str) -> RequestRecord:
         """The record of an accepted request; UnknownRequest for an id never accepted."""
@@ -210,6 +224,21 @@ class WorkUnitScheduler:
         if rec is None:
             raise UnknownRequest(f"no request with id {request_id!r} was accepted by this scheduler")
         return rec
+
+    def take_result(self, request_id: str) -> Any:
+        """A finished request's result, handed to its owner: the scheduler forgets the record."""
+        rec = self.record(request_id)
+        if rec.status in ("waiting", "running"):
+            raise RuntimeError(f"request {request_id} has not finished ({rec.status})")
+        self.forget(request_id)
+        return rec.result
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (its owner holds what it needs)."""
+        rec = self.records.get(request_id)
+        if rec is not None and rec.status not in ("waiting", "running"):
+            del self.records[request_id]
+            self._finished.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         """Takes effect at the next step boundary (a request that already ended is left as it is)."""
@@ -437,6 +466,13 @@ class WorkUnitScheduler:
             self.waiting.remove(rec.request_id)
         rec.kernel.release(rec.state)
         rec.status = status
+        if status == "completed":
+            rec.state = None   # the result is all that is left of it (failed / cancelled keep theirs: diagnosis)
+        self._finished[rec.request_id] = None
+        while len(self._finished) > self.retain_finished:   # the oldest finished records expire
+            oldest = next(iter(self._finished))
+            del self._finished[oldest]
+            self.records.pop(oldest, None)
 
 
 # ---------------------------------------------------------------------- one kernel, no engine

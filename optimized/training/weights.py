@@ -9,7 +9,11 @@
     4. every cache of the old instance is invalidated: entries move to the new instance's caches only when their
        key's weights_version is the new instance's (never, for a real update), all others are evicted
        (visible as trace.cache "evict" events)
-    5. the engine serves the new version: later BehaviorRecords carry it
+    5. every component derived from the old instance is dropped and rebuilt on first use from the new one (the
+       media chain: its VAE and decode / encode kernels; the processor; a model directory's media components come
+       from the new checkpoint), so a video started after the update decodes with the new weights
+    6. the engine serves the new version: later BehaviorRecords, request records and video results carry it; a
+       video program in flight keeps (and is labelled with) the version it started on
 
 A stale cache after an update is impossible by construction: every cache key names the weights version, the new
 version must differ from the old one, and the old entries are dropped.
@@ -28,6 +32,8 @@ from optimized.runtime.cache import CacheKey, CacheStore, state_dict_hash
 from optimized.runtime.events import Event
 
 POLICIES = ("finish", "drain")
+# what an engine builds from its resident instance on first use (optimized/serving): dropped by an update
+DERIVED = ("_media_chain", "_processor", "_takes_image")
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ def carry_caches(old: tuple[CacheStore, ...], new: tuple[CacheStore, ...], versi
 def update_weights(engine: Any, weights: Any, version: str | None = None, policy: str = "finish") -> WeightUpdate:
     if policy not in POLICIES:
         raise ValueError(f"update_weights: policy must be one of {POLICIES}, got {policy!r}")
+    weights_source = weights
     weights, ckpt_version = resolve_weights(engine, weights)
     old = engine.model
     if version is None:
@@ -103,7 +110,8 @@ def update_weights(engine: Any, weights: Any, version: str | None = None, policy
     sched = engine.scheduler
     in_flight = tuple(r.request_id for r in sched.records.values() if r.status in ("waiting", "running"))
     if policy == "drain":
-        sched.run_until(lambda: all(sched.records[r].status not in ("waiting", "running") for r in in_flight))
+        sched.run_until(lambda: all(r not in sched.records or sched.records[r].status not in ("waiting", "running")
+                                    for r in in_flight))   # a finished stage's record may already be forgotten
     new = engine.family.load(old.cfg, weights, device=str(old.device), dtype=old.dtype, weights_version=version)
     evicted, carried = carry_caches(tuple(engine.family.caches(old)), tuple(engine.family.caches(new)), version)
     for cache in engine.family.caches(new):  # the new caches join the engine's event stream
@@ -112,4 +120,24 @@ def update_weights(engine: Any, weights: Any, version: str | None = None, policy
             {"store": ev.store, "op": ev.op, "key": ev.key.short(), "nbytes": ev.nbytes})))
     engine.model = new
     engine._loops = {}  # new kernels on the new instance; in-flight requests keep theirs (policy "finish")
+    rebuild_derived(engine, weights_source)
     return WeightUpdate(str(old.weights_version), version, policy, in_flight, evicted, carried)
+
+
+def rebuild_derived(engine: Any, weights_source: Any) -> None:
+    """Drop what the engine derived from its old instance (DERIVED; rebuilt on first use, in-flight programs hold
+    their own). Media components that are not part of the model's weights (an attached or seeded VAE: the chain
+    names their own version) are kept as they are; a model directory given as the new weights becomes the source
+    of the media components that are."""
+    from manifests.checkpoint import read_checkpoint
+    from optimized.serving.families import attach_media
+    old_chain = engine.__dict__.get("_media_chain")
+    for name in DERIVED:
+        engine.__dict__.pop(name, None)
+    if old_chain is not None and old_chain.weights_version is not None:
+        attach_media(engine, vae=old_chain.vae, sound=old_chain.sound, vae_version=old_chain.weights_version)
+    if isinstance(weights_source, (str, Path)):
+        ckpt = read_checkpoint(weights_source)
+        if ckpt.is_model:
+            engine.checkpoint, engine.checkpoint_path = ckpt, str(weights_source)
+

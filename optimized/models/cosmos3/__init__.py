@@ -133,6 +133,7 @@ FAMILY = FamilyEntry(
     request_defaults=dict(num_frames=5, height=32, width=32, num_steps=4, guidance_scale=5.0),
     processor_options=lambda engine: _media().processor_options(engine),
     instance_config=lambda model_cfg: model_cfg.transformer,   # a model directory: transformer + media components
+    request_cost=lambda engine, request, phases: _media().request_cost(engine, request, phases),
 )
 
 __all__ = ["Cosmos3Fast", "Cosmos3FastStats", "FAMILY", "PackedLayout", "UndKV", "cosmos3_model_spec", "load_fast",

@@ -19,10 +19,41 @@ from typing import Any
 import torch
 
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest, video_request
+from optimized.runtime.family import RequestCost
 from optimized.serving.families import (MediaChain, RequestFields, ServingError, attached_media, latent_stats,
                                         resize_image)
 
 RANDOM_VAE_SEED = 1
+SOLVER_COPIES = 4       # latents held by a denoise request: x + the UniPC history (loops.py admission)
+ACTIVATION_WIDTHS = 8   # hidden-size activations alive per token at a layer's widest (loops.py plan_step)
+
+
+def request_cost(engine: Any, request: Any, phases: tuple[str, ...]) -> RequestCost | None:
+    """A Cosmos3GenerateRequest's peak bytes by phase, from its fields (None for other requests or unusable fields:
+    the request's validation refuses those). Decode / artifact are costed when the engine has its media VAE."""
+    from optimized.models.wan.media import video_phase_bytes
+    if not isinstance(request, Cosmos3GenerateRequest):
+        return None
+    cfg = engine.model.cfg
+    try:
+        T, h, w = int(request.latent_frames), int(request.latent_height), int(request.latent_width)
+        texts = [int(request.text_ids.numel())] + ([int(request.negative_text_ids.numel())] if request.uses_cfg
+                                                   else [])
+        extra = int(request.sound_frames) + (int(request.action.chunk_size) if request.action else 0)
+    except (TypeError, ValueError, AttributeError, ArithmeticError):
+        return None
+    if min(T, h, w) <= 0:
+        return None
+    C, p = cfg.latent_channels, cfg.patch_size
+    gen = T * math.ceil(h / p) * math.ceil(w / p) + max(extra, 0)
+    latents = C * T * h * w * 4
+    step = (texts[0] + gen) * len(texts) * cfg.hidden_size * 4 * ACTIVATION_WIDTHS
+    out = {"denoise": latents * SOLVER_COPIES + step}
+    vae_cfg = _media_vae_config(engine) if "decode" in phases or "artifact" in phases else None
+    if vae_cfg is not None:   # None: no media VAE (the program itself refuses to start)
+        s, t = vae_cfg.spatial_compression, vae_cfg.temporal_compression
+        out.update(video_phase_bytes(vae_cfg, (C, T, h, w), (T - 1) * t + 1, h * s, w * s, 4, latents))
+    return RequestCost({k: v for k, v in out.items() if k in phases}, ("num_frames", "height", "width"))
 
 
 def model_config(engine: Any) -> Any | None:
@@ -78,6 +109,22 @@ def cosmos3_media_vae_config(cfg: Any) -> Any:
     mean = tuple(round(0.3 * math.sin(1.7 * i + 0.3), 4) for i in range(z))
     std = tuple(round(1.0 + 0.5 * math.cos(2.3 * i), 4) for i in range(z))
     return replace(load_variant("tiny-2.2"), z_dim=z, latents_mean=mean, latents_std=std).validate()
+
+
+def _media_vae_config(engine: Any) -> Any | None:
+    """The media VAE's config by the order in the module doc, read without loading anything (admission is pure)."""
+    chain = engine.__dict__.get("_media_chain")
+    if chain is not None:
+        return chain.vae.cfg
+    attached = attached_media(engine).get("vae")
+    if attached is not None:
+        return attached.cfg
+    cfg = model_config(engine)
+    if cfg is not None:
+        return cfg.vae
+    if str(engine.model.weights_version or "").startswith("random:"):
+        return cosmos3_media_vae_config(engine.model.cfg)
+    return None
 
 
 def _media_components(engine: Any) -> tuple[Any, Any, str | None]:
@@ -142,4 +189,4 @@ def media(engine: Any) -> MediaChain:
 
 
 __all__ = ["cosmos3_media_vae_config", "media", "model_config", "processor_options",
-           "random_wan_vae_state", "request_from_fields"]
+           "random_wan_vae_state", "request_cost", "request_from_fields"]

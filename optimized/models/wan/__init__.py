@@ -139,6 +139,7 @@ FAMILY = FamilyEntry(
     media=lambda engine: _media().media(engine),
     request_from_fields=lambda engine, fields: _media().request_from_fields(engine, fields),
     request_defaults=dict(num_frames=5, height=32, width=32, num_steps=4, guidance_scale=5.0),
+    request_cost=lambda engine, request, phases: _media().request_cost(engine, request, phases),
 )
 
 __all__ = ["ConvCache", "DECODE_LOOP", "DecodeRequest", "ENCODE_LOOP", "EncodeRequest", "FAMILY", "FastPosterior",

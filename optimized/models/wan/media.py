@@ -10,9 +10,53 @@ from typing import Any
 import torch
 
 from manifests.wan.sampling import WanGenerateRequest
+from optimized.runtime.family import RequestCost
 from optimized.serving.families import MediaChain, RequestFields, ServingError, latent_stats, resize_image
 
 FPS = 16.0
+SOLVER_COPIES = 6       # latents held by a denoise request: x, the initial noise, the velocity, solver history
+ACTIVATION_WIDTHS = 12  # hidden-size activations alive at a DiT block's widest (q, k, v, attention out, MLP in...)
+
+
+def video_phase_bytes(vae_cfg: Any, latent_shape: tuple[int, ...], frames: int, height: int, width: int,
+                      vae_itemsize: int, held: int) -> dict[str, int]:
+    """Peak bytes of the decode and artifact phases of one clip through a chunked Wan VAE, from sizes alone:
+    decode = the latents held + the largest one-latent-frame chunk (`chunk_bytes`) + the decoded video so far (in
+    the VAE dtype); artifact = the decoded float video + its uint8 frames + the writer's float / uint8 copies."""
+    from optimized.models.wan.vae_loops import chunk_bytes
+    _, _, h, w = latent_shape
+    pixels = 3 * frames * height * width
+    decoded = pixels * vae_itemsize
+    decode = held + chunk_bytes(vae_cfg, 1, 1, h, w, vae_itemsize, decode=True) + decoded
+    artifact = decoded + 2 * (pixels * 4 + pixels)   # to_uint8 (float32 + uint8), then the writer's copy of both
+    return {"decode": decode, "artifact": artifact}
+
+
+def request_cost(engine: Any, request: Any, phases: tuple[str, ...]) -> RequestCost | None:
+    """A WanGenerateRequest's peak bytes by phase, from its fields (None for other requests or unusable fields:
+    the request's validation refuses those)."""
+    if not isinstance(request, WanGenerateRequest):
+        return None
+    cfg = engine.model.cfg
+    try:
+        C, T, h, w = (int(v) for v in request.latent_shape(cfg))
+        frames, height, width = int(request.num_frames), int(request.height), int(request.width)
+        branches = 2 if request.uses_cfg else 1
+    except (TypeError, ValueError, ArithmeticError):
+        return None
+    if min(C, T, h, w, frames, height, width) <= 0:
+        return None
+    elem = engine.model.dtype.itemsize
+    pt, ph, pw = cfg.dit.patch_size
+    tokens = (T // pt) * (h // ph) * (w // pw)
+    held = C * T * h * w * 4 * SOLVER_COPIES
+    dit = cfg.dit if cfg.dit_2 is None else max(cfg.dit, cfg.dit_2, key=lambda d: d.hidden_size)
+    step = branches * tokens * (dit.hidden_size * ACTIVATION_WIDTHS + dit.ffn_dim * 2) * elem
+    out = {"denoise": held + step}
+    if "decode" in phases or "artifact" in phases:
+        out.update(video_phase_bytes(cfg.vae, (C, T, h, w), frames, height, width, engine.model.vae.dtype.itemsize,
+                                     C * T * h * w * 4))
+    return RequestCost({k: v for k, v in out.items() if k in phases}, ("num_frames", "height", "width"))
 
 
 def request_from_fields(engine: Any, f: RequestFields) -> WanGenerateRequest:
@@ -43,4 +87,4 @@ def media(engine: Any) -> MediaChain:
     return MediaChain(vae, engine.loop("vae_decode"), None, decode_request, None, None, fps=lambda r: FPS)
 
 
-__all__ = ["FPS", "media", "request_from_fields"]
+__all__ = ["FPS", "media", "request_cost", "request_from_fields", "video_phase_bytes"]
