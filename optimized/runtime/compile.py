@@ -135,11 +135,27 @@ class CudaGraph:
         self.graph.replay()
 
 
+# The three declared seams of a captured step (parity/graph_faults.py plants one negative control in each; the
+# capture interleave check in parity/graph_checks.py must fail for every one of them).
+
+def static_buffers(example: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The captured step's own static input storage, allocated from the capture's example (the first call's
+    inputs): a copy, never the caller's tensors (a graph reading the caller's tensors would have every later
+    caller's copy-in overwrite them)."""
+    return [x.clone() for x in example]
+
+
 def copy_in(static: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
-    """Copy one call's inputs into the captured step's static buffers (a declared seam: the stale-static-buffer
-    negative control in parity/ patches it to skip the copy)."""
+    """Copy one call's inputs into the captured step's static buffers (the stale-static-buffer negative control
+    patches it to skip the copy)."""
     for buf, x in zip(static, inputs):
         buf.copy_(x)
+
+
+def copy_out(static: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """What a call hands back: copies of the static outputs (the next replay writes into the static outputs, so a
+    caller holding them would see its result change under it)."""
+    return tuple(o.clone() for o in static)
 
 
 class CapturedStep:
@@ -149,7 +165,7 @@ class CapturedStep:
     kind = "replayed"
 
     def __init__(self, body: Body, example: Sequence[torch.Tensor], graph: EmulatedGraph | CudaGraph) -> None:
-        self.static_in = [x.clone() for x in example]
+        self.static_in = static_buffers(example)
         self.graph = graph
         with graph.capture(lambda: tuple(body(*self.static_in))) as outs:
             self.static_out = outs
@@ -163,7 +179,7 @@ class CapturedStep:
                                  f"{tuple(buf.shape)} {buf.dtype}")
         copy_in(self.static_in, inputs)
         self.graph.replay()
-        return tuple(o.clone() for o in self.static_out)
+        return copy_out(self.static_out)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from manifests.parity import Tolerance
 from parity.errors import SetupError
 from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3.common import load_reference
-from parity.graph_checks import graph_kinds_check
+from parity.graph_checks import capture_interleave_checks, graph_kinds_check, recording_calls
 from parity.metrics import Metrics, compare, within
 from parity.report import CheckResult
 
@@ -278,8 +278,9 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
         checks += compare_one(f"{prefix}/ar/solo{i}", got, i)
     eng = engine()
     handles = [eng.submit_reasoning(r, record_logits=True) for r in reqs]
-    with planted(eng):
+    with planted(eng), recording_calls([eng.model]) as calls:   # the decode body's calls, for the interleave check
         eng.run_until_idle()
+        checks += capture_interleave_checks(f"{prefix}/ar", calls)
     for i, h in enumerate(handles):
         if h.status != "completed":
             checks.append(CheckResult(f"{prefix}/ar/batched{i}:tokens", False,

@@ -35,7 +35,8 @@ from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, rep
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
-from parity.graph_checks import dynamo_counts, graph_kinds_check
+from parity.graph_checks import (InterleaveCases, capture_interleave_checks, dynamo_counts, graph_kinds_check,
+                                  recording_calls)
 from parity.report import CheckResult, Report
 
 import optimized
@@ -230,6 +231,7 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
             tol = contract.tolerance("C1", DTYPE_NAMES[dname], device.split(":")[0])
             c0_tol = contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
             reference = load_reference(cfg, state, device, dtype)
+            interleave = InterleaveCases()
             for case in [c for c in loop_cases(cfg, cases, seed) if wanted(c.name)]:
                 progress(f"[cosmos3 C1] {vname} {dname}: {case.name} ({len(case.requests)} request(s), "
                          f"{case.cfg_policy} CFG)")
@@ -237,7 +239,10 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
                                                           batching="greedy")
                 engine.model.configure_graph(graph, cfg_policy=case.cfg_policy, variant=vname)
                 with fault_lib.planted_c1(fault, engine):
-                    eng_runs = run_engine_case(engine, case)
+                    # the gen-step calls of the first case and of the first with two callers, replayed interleaved
+                    with recording_calls([engine.model], enabled=interleave.wants(len(case.requests))) as calls:
+                        eng_runs = run_engine_case(engine, case)
+                    report.checks += capture_interleave_checks(f"{vname}/{dname}/{case.name}", calls)
                     peers = {e.extra["rid"]: (q, e) for q, e in zip(case.requests, eng_runs)}
                     for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
                         ref_run = run_reference_loop(reference, req)

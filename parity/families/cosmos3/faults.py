@@ -3,7 +3,8 @@ place. A harness that passes with a fault planted, or fails without naming the l
 
 One mechanism: a context manager that patches a module (or class) attribute at a declared seam and restores it on
 exit; production code carries no fault flags. Seams: the optimized side's module-level functions (ops, packing,
-loops, solvers, reasoner, the captured step's optimized.runtime.compile.copy_in), the reference side's
+loops, solvers, reasoner, the captured step's optimized.runtime.compile
+static_buffers / copy_in / copy_out), the reference side's
 (reference.cosmos3.packing.grid_position_ids,
 reference.cosmos3.sampler.initial_latents, reference.cosmos3.model.Cosmos3Transformer.timestep_embedding) and the
 shared manifests (manifests.cosmos3.sampling.Cosmos3GenerateRequest.uses_cfg). C0 faults are planted around a
@@ -211,16 +212,18 @@ def _batched_timestep_first(engine):
                     original(t[:1].expand(t.shape[0]).contiguous(), *a, **kw))
 
 
-@contextlib.contextmanager
-def _stale_static_buffer(engine) -> Iterator[None]:
-    """The captured step bodies (gen step, AR decode step) replay on the previous call's inputs (no copy-in;
-    emulated graph on CPU)."""
-    from parity.graph_faults import stale_static_buffer
-    if engine is None:  # the AR checks build engines of their own: planted in each (ar_engine_planter)
-        yield
-        return
-    with stale_static_buffer([engine.model]):
-        yield
+def _graph_fault(fault: str):
+    """A fault of the captured step path (parity/graph_faults.py: stale-static-buffer, static-output-handback,
+    aliased-static-inputs) in the gen step and the AR decode step (emulated graph on CPU)."""
+    @contextlib.contextmanager
+    def plant(engine) -> Iterator[None]:
+        from parity.graph_faults import planted_graph_fault
+        if engine is None:  # the AR checks build engines of their own: planted in each (ar_engine_planter)
+            yield
+            return
+        with planted_graph_fault(fault, [engine.model]):
+            yield
+    return plant
 
 
 def _pad_not_masked(engine):
@@ -232,7 +235,9 @@ def _pad_not_masked(engine):
 
 
 COSMOS3_C1_FAULTS = {
-    "stale-static-buffer": _stale_static_buffer,
+    "stale-static-buffer": _graph_fault("stale-static-buffer"),
+    "static-output-handback": _graph_fault("static-output-handback"),
+    "aliased-static-inputs": _graph_fault("aliased-static-inputs"),
     "pad-not-masked": _pad_not_masked,
     "ref-noise-order": _ref_noise_order,
     "manifest-uses-cfg-gt1": _manifest_uses_cfg_gt1,
@@ -292,7 +297,7 @@ def planted_parallel(fault: str | None):
 
 
 # C1 faults also planted in every engine the AR checks build (their seams are in the decode step too)
-AR_ENGINE_FAULTS = ("stale-static-buffer",)
+AR_ENGINE_FAULTS = ("stale-static-buffer", "static-output-handback", "aliased-static-inputs")
 
 
 def ar_engine_planter(fault: str | None):
@@ -385,6 +390,10 @@ FAULTS = (
     Fault("shared-solver-state", "same-shape requests share one solver state", "C1"),
     Fault("stale-static-buffer", "captured step replayed without copying new inputs into its static buffers "
           "(emulated graph on CPU)", "C1", "step 1"),
+    Fault("static-output-handback", "captured step hands back its static output buffers: a later replay "
+          "overwrites what an earlier caller holds (emulated graph on CPU)", "C1", "held output overwritten"),
+    Fault("aliased-static-inputs", "captured step keeps the first call's input tensors as its static buffers: "
+          "later callers' copy-in overwrites them (emulated graph on CPU)", "C1", "caller inputs overwritten"),
     Fault("pad-not-masked", "shape bucket padded without masking the pad keys", "C1",
           "step 0, cond branch, layer layers.0.gen"),
     Fault("inverted-latents-std", "VAE decode de-normalises with z / std + mean", "C4", "vae decode"),

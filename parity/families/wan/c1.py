@@ -36,7 +36,8 @@ from parity.families.wan.common import (DEFAULT_VARIANTS, DiTInputs, contract_to
                                         optimized_step_input, reference_pipeline, resolve_models,
                                         run_optimized_dit, run_reference_dit)
 from parity.family import DTYPES, golden_probe
-from parity.graph_checks import dynamo_counts, graph_kinds_check
+from parity.graph_checks import (InterleaveCases, capture_interleave_checks, dynamo_counts, graph_kinds_check,
+                                  recording_calls)
 from parity.localise import first_divergence
 from parity.metrics import compare, exact, within
 from parity.report import CheckResult, Report
@@ -296,13 +297,18 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
             dtype = DTYPES[dname]
             tol = contract_tolerance("C1", "loop", dname, device)
             step_tol = contract_tolerance("C0", "dit", dname, device)
+            interleave = InterleaveCases()
             for case in case_lib.c1_cases(m.cfg, cases, seed):
                 prefix = f"{m.name}/{dname}/{case.name}"
                 progress(f"[wan C1] {prefix}: {len(case.requests)} request(s), {case.cfg_policy} CFG")
                 engine = engine_for(m, device, dtype, seed, case.cfg_policy)
                 engine.model.configure_graph(graph, cfg_policy=case.cfg_policy)
                 with faults.planted_engine(fault, engine):
-                    eng_runs = run_engine_case(engine, case)
+                    # the block-stack calls of the first case and of the first with two callers, replayed interleaved
+                    recorded = interleave.wants(len(case.requests))
+                    with recording_calls(engine.model.experts(), enabled=recorded) as calls:
+                        eng_runs = run_engine_case(engine, case)
+                    report.checks += capture_interleave_checks(prefix, calls)
                     for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
                         ref_run = run_reference(pipe, req)
                         p = prefix + (f"/req{k}" if len(case.requests) > 1 else "")

@@ -6,7 +6,9 @@ Where each is planted (context managers; everything is restored on exit, caches 
     UMT5     (UMT5Fast)        text-padding-not-zeroed
     VAE      (FastWanVAE)      vae-perturbed-weight, rep-context, dropped-cache   (parity/families/wan/vae.py)
     loop     (wan.denoise)     expert-switch-late
-    graph    (optimized.runtime.compile.copy_in, every DiT expert; parity/graph_faults.py)   stale-static-buffer
+    graph    (optimized.runtime.compile static_buffers / copy_in / copy_out, every DiT expert; parity/graph_faults.py)
+                                                             stale-static-buffer, static-output-handback,
+                                                             aliased-static-inputs
     decode   (media chain)     inverted-latents-std
     parallel (patched in every rank by the rank's own entry, before the model is parallelized; C1 with --plan)
              optimized.parallel.sp.split_head_groups         ulysses-heads-permuted   (--plan ulysses*)
@@ -29,6 +31,7 @@ import torch
 from parity.errors import SetupError
 from parity.families.wan import vae
 from parity.family import Fault
+from parity.graph_faults import GRAPH_FAULTS, planted_graph_fault
 from parity.patching import patched as _patched
 
 FAULT_LAYER = 1   # perturbed-weight nudges this block (the last one when the DiT has fewer layers)
@@ -49,6 +52,10 @@ FAULTS = (
           "vae decode"),
     Fault("stale-static-buffer", "the DiT's captured block stack replayed without copying new inputs into its "
           "static buffers (emulated graph on CPU)", "C1", "step 1"),
+    Fault("static-output-handback", "the DiT's captured block stack hands back its static output buffers: a later "
+          "replay overwrites what an earlier caller holds (emulated graph on CPU)", "C1", "held output overwritten"),
+    Fault("aliased-static-inputs", "the DiT's captured block stack keeps the first call's input tensors as its "
+          "static buffers (emulated graph on CPU)", "C1", "caller inputs overwritten"),
 )
 # planted in every rank of a C1 run under --plan (tests/test_wan_sp.py, tests/test_wan_tp.py), so kept apart from
 # the one-process FAULTS
@@ -72,7 +79,6 @@ UMT5_FAULTS = ("text-padding-not-zeroed",)
 VAE_FAULTS = {"vae-perturbed-weight": "perturbed-weight", "rep-context": "rep-context",
               "dropped-cache": "dropped-cache"}   # family name -> the name vae.py plants
 LOOP_FAULTS = ("expert-switch-late",)
-GRAPH_FAULTS = ("stale-static-buffer",)   # parity/graph_faults.py, in every DiT expert of the engine
 DECODE_FAULTS = ("inverted-latents-std",)
 PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
                        "tp-wrong-slice": "tp", "pad-keys-not-masked": "sp_ulysses",
@@ -201,9 +207,8 @@ def planted_engine(fault: str | None, engine) -> Iterator[None]:
             stack.enter_context(planted_umt5(fault, engine.model.text_encoder))
         elif fault == "expert-switch-late":
             stack.enter_context(_expert_switch_late())
-        elif fault == "stale-static-buffer":
-            from parity.graph_faults import stale_static_buffer
-            stack.enter_context(stale_static_buffer(engine.model.experts()))
+        elif fault in GRAPH_FAULTS:   # parity/graph_faults.py, in every DiT expert of the engine
+            stack.enter_context(planted_graph_fault(fault, engine.model.experts()))
         yield   # parallel faults: planted by the rank itself around loading (planted_parallel)
 
 
