@@ -44,6 +44,13 @@ def test_cosmos3_c2_passes_identically():
     for case in ("flow_grpo_cfg", "flow_grpo_no_cfg", "dance_grpo_cfg", "sde_window", "batch8/sample7",
                  "flow_grpo_cfg/recompute_without_und_cache", "weight_update/recompute_without_und_cache"):
         assert f"tiny/fp32/{case}" in names, case
+    # two and three stepped modalities: identical to the engine's recompute, and against the reference's recompute
+    # and rollout, per modality and as a whole
+    for case, modalities in (("vision_sound", ("vision", "sound")),
+                             ("vision_sound_action", ("vision", "sound", "action"))):
+        for kind in ("", "/reference_recompute", "/reference_rollout"):
+            assert f"tiny/fp32/{case}{kind}" in names, (case, kind)
+            assert all(f"tiny/fp32/{case}{kind}:{m}" in names for m in modalities), (case, kind)
     step0 = next(c for c in report.checks if c.name == "tiny/fp32/flow_grpo_cfg").extra
     assert step0["steps"][0] == 0 and step0["abs_delta"][0] == 0.0 and step0["ratio"][0] == 1.0
 
@@ -52,12 +59,17 @@ def test_cosmos3_c2_passes_identically():
     ("sde-sigma-off-by-one", "tiny/fp32/flow_grpo_cfg"),
     ("sde-noise-level-mismatch", "tiny/fp32/dance_grpo_cfg"),
     ("stale-und-cache-after-update", "tiny/fp32/weight_update/recompute_without_und_cache"),
+    pytest.param("record-modalities-weighed-equally", "tiny/fp32/vision_sound_action/reference_recompute",
+                 marks=pytest.mark.slow),   # one rollout of it runs fast in tests/test_logprob_modalities.py
 ])
 def test_cosmos3_c2_faults_fail(fault, must_fail):
     report = cosmos3_c2.run_c2(["tiny"], None, "cpu", ["fp32"], 0, fault, quiet)
     assert must_fail in failed(report)
     if fault == "stale-und-cache-after-update":  # the rollouts before the update are untouched
         assert "tiny/fp32/flow_grpo_cfg" not in failed(report)
+    if fault == "record-modalities-weighed-equally":  # only multi-modality samples, and only as a whole
+        assert all(n.startswith(("tiny/fp32/vision_sound", "tiny/fp32/vision_sound_action")) and ":" not in n
+                   for n in failed(report)), failed(report)
 
 
 def test_wan_c2_passes_and_its_stale_cache_fault_fails():
