@@ -77,6 +77,33 @@ CASES: dict[str, dict[str, Any]] = {
                                description="Wan2.2 A14B-style: flow_shift 3.5 puts step 1's timestep exactly on the "
                                            "boundary 875 (t 999, 875 | 637): upstream `t >= boundary` runs the "
                                            "high-noise expert there; guidance 4.0 then guidance_2 3.0"),
+    # expert-dependent guidance and boundary steps at other boundary ratios (a model config with the variant's
+    # components and its own boundary_ratio); the components are pipe_a14b's (weights_seed), so git stores them once
+    "pipe_a14b_r05_on": dict(variant="tiny-2.2-t2v-a14b", boundary_ratio=0.5, weights_seed=9103, seed=9108,
+                             solver="unipc", flow_shift=1.0, num_frames=5, height=32, width=32, steps=4,
+                             guidance=2.0, guidance_2=6.0, text_len=6, negative_len=5, boundary_step=2,
+                             description="two experts at boundary_ratio 0.5: UniPC shift 1.0 gives t 999, 750, 500 "
+                                         "(exactly on the boundary: expert 1) | 250 (expert 2); guidance 2.0 on "
+                                         "expert 1, guidance_2 6.0 (the larger one) on expert 2"),
+    "pipe_a14b_r09_below": dict(variant="tiny-2.2-t2v-a14b", boundary_ratio=0.9, weights_seed=9103, seed=9109,
+                                solver="unipc", flow_shift=4.45, num_frames=5, height=32, width=32, steps=3,
+                                guidance=5.0, guidance_2=1.5, text_len=8, negative_len=4, below_boundary_step=1,
+                                description="two experts at boundary_ratio 0.9 (the I2V A14B value): UniPC shift "
+                                            "4.45 gives t 999 | 899 (one below the boundary 900: expert 2), 690; "
+                                            "guidance 5.0 then guidance_2 1.5"),
+    "pipe_a14b_euler_below": dict(variant="tiny-2.2-t2v-a14b", weights_seed=9103, seed=9110, solver="euler",
+                                  flow_shift=3.48, num_frames=5, height=32, width=32, steps=4, guidance=3.0,
+                                  guidance_2=1.5, text_len=7, negative_len=6, below_boundary_step=1,
+                                  description="two experts, FlowMatch Euler (float timesteps) shift 3.48: t 1000.0 | "
+                                              "874.943 (below the boundary 875 by a fraction: expert 2; rounded to "
+                                              "an int it would be expert 1), 637.443, 11.977; guidance 3.0 then "
+                                              "guidance_2 1.5"),
+    "pipe_a14b_g1": dict(variant="tiny-2.2-t2v-a14b", weights_seed=9103, seed=9111, solver="unipc", flow_shift=3.0,
+                         num_frames=5, height=32, width=32, steps=4, guidance=1.0, guidance_2=4.0, text_len=5,
+                         negative_len=7,
+                         description="two experts, guidance 1.0 with guidance_2 4.0: upstream decides CFG by "
+                                     "guidance_scale alone (`guidance_scale > 1`), so no step runs an uncond pass, "
+                                     "not even expert 2's (t 999, 900 | 750, 500)"),
 }
 
 
@@ -293,9 +320,14 @@ def outputs_of(case: dict[str, Any], cfg: WanModelConfig, comps, inp) -> dict[st
     else:
         assert torch.equal(first, noise), "the pipeline's noise is not randn(seed) as recorded"
     sched = r["scheduler"]
+    boundary = None if cfg.boundary_ratio is None else cfg.boundary_ratio * cfg.num_train_timesteps
     if "boundary_step" in case:  # the case's own claim: a step lands exactly on the boundary and expert 1 runs it
-        k, boundary = case["boundary_step"], cfg.boundary_ratio * cfg.num_train_timesteps
+        k = case["boundary_step"]
         assert sched.timesteps[k].item() == boundary and cond_calls[k]["expert"] == 1, (sched.timesteps, boundary)
+    if "below_boundary_step" in case:  # the claim: a step within 1 below the boundary, run by expert 2
+        k = case["below_boundary_step"]
+        t = sched.timesteps[k].item()
+        assert boundary - 1 <= t < boundary and cond_calls[k]["expert"] == 2, (sched.timesteps, boundary)
     out = {"latents": r["out"].contiguous(), "trajectory": torch.stack(r["trajectory"]).contiguous(),
            "timesteps": sched.timesteps.clone(), "sigmas": sched.sigmas.clone(), "initial_latents": noise,
            "experts": torch.tensor([c["expert"] for c in cond_calls], dtype=torch.int64),
@@ -329,6 +361,7 @@ def case_json(name: str, case: dict[str, Any], cfg: WanModelConfig, with_image: 
                      "class": "WanImageToVideoPipeline" if with_image else "WanPipeline", "torch": v["torch"],
                      "transformers": v["transformers"]},
         "upstream_format": "diffusers", "dtype": "float32", "seed": case["seed"],
+        **({"weights_seed": case["weights_seed"]} if "weights_seed" in case else {}),
         "tolerance": {"rel_l2": REL_L2_TOL},
         "params": {"variant": case["variant"], "num_frames": case["num_frames"], "height": case["height"],
                    "width": case["width"], "num_inference_steps": case["steps"],
@@ -340,14 +373,23 @@ def case_json(name: str, case: dict[str, Any], cfg: WanModelConfig, with_image: 
     }
 
 
+def case_config(case: dict[str, Any]) -> WanModelConfig:
+    """The variant's model config, with the case's own boundary_ratio when it names one."""
+    cfg = load_model_variant(case["variant"])
+    if "boundary_ratio" in case:
+        cfg = WanModelConfig.from_dict({**cfg.to_dict(), "boundary_ratio": case["boundary_ratio"]})
+    return cfg
+
+
 def write_case(out_root: Path, name: str) -> Path:
     _setup()
     case = CASES[name]
-    cfg = load_model_variant(case["variant"])
-    comps = build_components(cfg, case["seed"])
+    cfg = case_config(case)
+    weights_seed = case.get("weights_seed", case["seed"])
+    comps = build_components(cfg, weights_seed)
     inp = make_inputs(case, cfg)
     outs = outputs_of(case, cfg, comps, inp)
-    again = outputs_of(case, cfg, build_components(cfg, case["seed"]), make_inputs(case, cfg))
+    again = outputs_of(case, cfg, build_components(cfg, weights_seed), make_inputs(case, cfg))
     for k in outs:
         assert torch.equal(outs[k], again[k]), f"{name}: {k} not reproducible"
     d = out_root / name
