@@ -36,16 +36,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, *args: str):
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None, headers: dict | None = None):
         self.port = free_port()
         self.out = tmp / "videos"
         self.log = open(tmp / "server.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "optimized.serving.server", *args, "--port",
                                       str(self.port), "--output-dir", str(self.out)], cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                     "PYTHONUNBUFFERED": "1"})
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = httpx.Client(base_url=self.url, timeout=30)
+        self.client = httpx.Client(base_url=self.url, timeout=30, headers=headers)
         t0 = time.monotonic()
         while time.monotonic() - t0 < DEADLINE:
             if self.proc.poll() is not None:
@@ -66,6 +66,13 @@ class Server:
                 return obj
             time.sleep(0.05)
         raise AssertionError(f"{vid} still {obj['status']} after {DEADLINE}s")
+
+    def kill9(self) -> None:
+        """SIGKILL: nothing of the server's shutdown runs."""
+        self.client.close()
+        self.proc.kill()
+        self.proc.wait(10)
+        self.log.close()
 
     def stop(self) -> None:
         self.client.close()

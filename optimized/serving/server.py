@@ -692,6 +692,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning printed when the server is reachable beyond loopback without an API key (None otherwise)."""
+    if api_key is not None or is_loopback(host):
+        return None
+    return (f"warning: serving on {host} (beyond loopback) without an API key: anyone who reaches the port can "
+            f"create and delete videos; set --api-key or {API_KEY_ENV}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m optimized.serving.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -719,9 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if api_key is None and not is_loopback(args.host):
-        print(f"warning: serving on {args.host} (beyond loopback) without an API key: anyone who reaches the port "
-              f"can create and delete videos; set --api-key or {API_KEY_ENV}", file=sys.stderr)
+    warning = exposure_warning(args.host, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     from optimized.serving.fvgen import load_engine, UsageError
     try:
         engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan,
