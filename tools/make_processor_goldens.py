@@ -281,7 +281,9 @@ WAN_PROMPTS = [("plain", "A cat walks on the beach at sunset.", 512), ("whitespa
 WAN_VAE_IMAGES = [("vae_pil", "pil", (40, 56, 3), 32, 48), ("vae_float01", "f01_chw", (3, 20, 24), 32, 48),
                   ("vae_floatpm1", "fpm1_chw", (3, 32, 48), 32, 48)]
 WAN_CLIP_IMAGES = [("clip_pil_wide", "pil", (120, 300, 3)), ("clip_pil_tall_up", "pil", (260, 150, 3)),
-                   ("clip_u8_hwc", "u8_hwc_np", (100, 100, 3))]
+                   ("clip_u8_hwc", "u8_hwc_np", (100, 100, 3)),
+                   # long edge 224 * 70 / 50 = 313.6: upstream truncates (313), a rounding port gets 314; wide, tall
+                   ("clip_pil_wide_frac", "pil", (50, 70, 3)), ("clip_pil_tall_frac", "pil", (70, 50, 3))]
 
 
 class _RecordingEncoder(torch.nn.Module):
@@ -364,11 +366,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="golden")
     ap.add_argument("--check", action="store_true", help="rebuild into a temp dir and compare with --out")
+    ap.add_argument("--only", action="append", choices=sorted(CASES), help="only this case (repeatable)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp()) if args.check else Path(args.out)
     try:
         for rel, make in CASES.items():
+            if args.only and rel not in args.only:
+                continue
             path = root / rel
             if path.exists():
                 shutil.rmtree(path)

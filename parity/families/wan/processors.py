@@ -101,8 +101,10 @@ def processor_checks(progress: Callable[[str], None] = lambda m: None,
     g = torch.Generator().manual_seed(11)
     pil = Image.fromarray(torch.randint(0, 256, (50, 70, 3), generator=g, dtype=torch.uint8).numpy())
     f01 = torch.rand(3, 24, 40, generator=g)
+    # the CLIP long edge 224 * 70 / 50 = 313.6 is truncated upstream: a wide and a tall image, one per resize branch
+    tall = Image.fromarray(torch.randint(0, 256, (70, 50, 3), generator=g, dtype=torch.uint8).numpy())
     for name, run in (("vae_pil", lambda s: s.vae(pil, 32, 48)), ("vae_float01", lambda s: s.vae(f01, 32, 48)),
-                      ("clip_pil", lambda s: s.clip(pil))):
+                      ("clip_pil", lambda s: s.clip(pil)), ("clip_pil_tall", lambda s: s.clip(tall))):
         try:
             checks.append(exact_check(f"processor/{name}:pixels", run(opt), run(ref)))
         except Exception as e:
