@@ -65,7 +65,7 @@ def test_a_command_that_cannot_start_is_a_failed_step(tmp_path: Path):
 
 def test_the_first_steps_are_what_the_open_issue_needs_from_a_gpu():
     names = [name for name, _, _ in gpu_check.steps("cuda", quick=False)]
-    assert names[:4] == ["env", "c1_graph_cuda", "capture_tests", "wan_c1_graph_cuda"]
+    assert names[:5] == ["env", "capture_interleave", "c1_graph_cuda", "capture_tests", "wan_c1_graph_cuda"]
     assert len(names) == len(set(names))
     wheels = gpu_check.steps("cuda", quick=False, wheels=Path("wheels"))[0][1]
     assert wheels[:2] == ["sh", "-c"] and "--no-index --no-deps wheels/*.whl" in wheels[2]

@@ -4,10 +4,10 @@
     python tools/gpu_check.py --device cpu --quick --out /tmp/gc              # dry run of the same sequence on CPU
 
 The device tool gives one command at most 10 minutes, 15 minutes of device time in all, and brings back at most 8
-files from $OUT, so: steps run in priority order (the environment, C1 with CUDA graphs, the capture tests, bf16
-parity, the peer at released sizes, MFU, then the rest); a step starts only while --budget-s leaves it at least
---min-step-s, and is cut at what is left; all output goes to ONE log (OUT/gpu_check.log, a header per step) and
-OUT/summary.json is rewritten after every step, so a run cut short still brings back what finished. A failing step
+files from $OUT, so: steps run in priority order (the environment, the capture interleave check, C1 with CUDA
+graphs, the capture tests, bf16 parity, the peer at released sizes, MFU, then the rest); a step starts only while
+--budget-s leaves it at least --min-step-s, and is cut at what is left; all output goes to ONE log
+(OUT/gpu_check.log, a header per step) and OUT/summary.json is rewritten after every step, so a run cut short still brings back what finished. A failing step
 does not stop the rest. The device image has torch but not diffusers: `pip download diffusers==0.42.1 --no-deps -d
 wheels` here (wheels/ is git-ignored; carry it), and --wheels installs it there first (no index, no deps).
 Nothing here has run on a GPU yet (no device was lent to the sessions that wrote it): expect the first run to
@@ -39,6 +39,10 @@ def steps(device: str, quick: bool, wheels: Path | None = None) -> list[tuple[st
                            f" && {shlex.join(env)}"]
     return [
         ("env", env, 120),
+        # issue 22: two callers' replays of one bucket interleaved through real CUDA graphs (a toy body, each
+        # planted capture fault must fail it); C1 below runs the same check on every family step body that captures
+        ("capture_interleave", [py, "-m", "pytest", "-q", "-p", "no:xdist", "tests/test_capture_interleave.py"],
+         300),
         # captured step bodies: C1 with CUDA graphs (replay vs eager is bitwise; vs reference at the C1 tolerance),
         # the real-capture unit tests, wan's captured DiT steps
         ("c1_graph_cuda", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32",
