@@ -8,8 +8,9 @@ files from $OUT, so: steps run in priority order (the environment, the capture i
 graphs, the capture tests, bf16 parity, the peer at released sizes, MFU, then the rest); a step starts only while
 --budget-s leaves it at least --min-step-s, and is cut at what is left; all output goes to ONE log
 (OUT/gpu_check.log, a header per step) and OUT/summary.json is rewritten after every step, so a run cut short
-still brings back what finished. A failing step does not stop the rest. The device image has torch but not diffusers: `pip download diffusers==0.42.1 --no-deps -d
-wheels` here (wheels/ is git-ignored; carry it), and --wheels installs it there first (no index, no deps).
+still brings back what finished. A failing step does not stop the rest. The device image has torch but not
+diffusers: `pip download diffusers==0.42.1 --no-deps -d wheels` here (wheels/ is git-ignored; carry it), and
+--wheels installs it there first (no index, no deps).
 Nothing here has run on a GPU yet (no device was lent to the sessions that wrote it): expect the first run to
 surface device-placement bugs, which is its purpose.
 """
