@@ -98,6 +98,12 @@ CASES: dict[str, dict[str, Any]] = {
                                               "874.943 (below the boundary 875 by a fraction: expert 2; rounded to "
                                               "an int it would be expert 1), 637.443, 11.977; guidance 3.0 then "
                                               "guidance_2 1.5"),
+    "pipe_ti2v_text": dict(variant="tiny-2.2-ti2v", weights_seed=9105, seed=9112, solver="unipc", flow_shift=5.0,
+                           num_frames=5, height=32, width=64, steps=3, guidance=3.0, guidance_2=None, text_len=9,
+                           negative_len=5,
+                           description="Wan2.2 TI2V without an image (WanPipeline, expand_timesteps): the mask is all "
+                                       "ones, so every token's timestep is t (frame 0 included) and nothing is "
+                                       "blended; components shared with pipe_ti2v"),
     "pipe_a14b_g1": dict(variant="tiny-2.2-t2v-a14b", weights_seed=9103, seed=9111, solver="unipc", flow_shift=3.0,
                          num_frames=5, height=32, width=32, steps=4, guidance=1.0, guidance_2=4.0, text_len=5,
                          negative_len=7,
