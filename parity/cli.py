@@ -172,9 +172,9 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
             if "plan" not in inspect.signature(fam.levels[level]).parameters:
                 raise SetupError(f"{family} {level} has no parallel plans; --plan {plan} does not apply")
             extra["plan"] = plan
-        report = fam.levels[level](variants=list(variants), checkpoint=checkpoint, device=device,
-                                   dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed,
-                                   fault=fault, progress=lambda msg: click.echo(msg, err=True), **extra)
+        report = fam.run(level, variants=list(variants), checkpoint=checkpoint, device=device,
+                         dtypes=["fp32", "bf16"] if dtype == "all" else [dtype], seed=seed, fault=fault,
+                         progress=lambda msg: click.echo(msg, err=True), **extra)
     except SetupError as e:
         _fail_setup(str(e))
     _emit(report, json_path)

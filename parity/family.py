@@ -14,7 +14,8 @@ from typing import Callable, Mapping, Protocol
 
 import torch
 
-from parity.report import CheckResult, Report
+from parity.errors import SetupError
+from parity.report import CheckResult, Report, opened_reports, raised_check
 
 LEVELS = {  # the ladder (../DESIGN.md): level -> what it compares
     "C0": "components: blocks, full forward, VAE / text encoder / audio decoder, packing, position ids, batching",
@@ -84,6 +85,28 @@ class ParityFamily:
     check_converted: PostCheck | None = None         # fvconvert's post-conversion check (C0 on converted weights)
     supports_world_size: bool = False                # `--world-size` (a sequence-parallel plan) applies
     component_post_checks: Mapping[str, PostCheck] = field(default_factory=dict)  # "<family>.<component>" -> check
+
+    def run(self, level: str, progress: Callable[[str], None], **kw) -> Report:
+        """Run an implemented level. Everything the runner executes is inside its checks: a level's own cases
+        turn an exception into that case's failed check and go on (parity/report.py `exceptions_fail`); one that
+        still escapes the runner fails a check named after where the level last said it was (its last progress
+        line), kept after the checks it made, and ends the level (exit 1, not 3). SetupError (exit 2) passes."""
+        last = [f"{self.name} {level}"]
+
+        def tracked(msg: str) -> None:
+            last[0] = msg.split("] ", 1)[-1] if msg.startswith("[") else msg  # without the "[family level] " tag
+            progress(msg)
+
+        with opened_reports() as opened:
+            try:
+                return self.levels[level](progress=tracked, **kw)
+            except SetupError:
+                raise
+            except Exception as e:  # noqa: BLE001 - inside the level's checks: that check fails
+                report = next((r for r in opened if (r.family, r.level) == (self.name, level)), None)
+                report = report or Report(self.name, level, dict(kw))
+                report.checks.append(raised_check(last[0], e))
+                return report
 
     def fault(self, name: str) -> Fault | None:
         return next((f for f in self.faults if f.name == name), None)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from manifests import ManifestError
 from manifests.parity import Tolerance
 from parity.errors import SetupError
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 
 CASE_FILES = ("case.json", "upstream", "inputs.safetensors", "outputs.safetensors")
 CASE_KEYS = ("family", "probe", "upstream", "upstream_format", "dtype", "seed", "tolerance")
@@ -103,24 +103,12 @@ def output_checks(case: GoldenCase, declared) -> list[CheckResult]:
 def run_probe(probe, case: GoldenCase, sides: tuple[str, ...]) -> list[CheckResult]:
     """One case: its output declaration, then the probe; an exception of the probe or the engine becomes a failed
     check naming it (the run goes on). A SetupError (bad case files) still stops the run (exit 2)."""
-    import os
-    import traceback
-
     declared = getattr(probe, "golden_outputs", None)
     checks = output_checks(case, declared) if declared is not None else []
     if any(c.name.endswith("outputs:required") for c in checks):
         return checks  # the probe would compare against nothing (or crash on the missing name)
-    try:
-        with torch.no_grad():
-            checks += probe(case, sides)
-    except SetupError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a failure of what is checked, reported as a failed check
-        where = traceback.extract_tb(e.__traceback__)[-1]
-        detail = f"probe raised {type(e).__name__}: {' '.join(str(e).split())[:300]}"
-        if os.environ.get("FVPARITY_DEBUG"):
-            detail += f" (at {Path(where.filename).name}:{where.lineno})"
-        checks.append(CheckResult(f"{case.name}/probe", False, detail=detail))
+    with exceptions_fail(checks, f"{case.name}/probe", who="probe"), torch.no_grad():
+        checks += probe(case, sides)
     return checks
 
 

@@ -1,17 +1,23 @@
-"""Check results, the tabulate report and the --json document."""
+"""Check results, the tabulate report and the --json document; and the rule that an exception inside a check is
+that check failing (`raised_check`, `exceptions_fail`, `opened_reports`), never a crash of the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+import traceback
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tabulate import tabulate
 
 from manifests.parity import Tolerance
+from parity.errors import SetupError
 from parity.metrics import Metrics, compare, within
 
 
@@ -45,12 +51,54 @@ def tensor_check(name: str, got: torch.Tensor, want: torch.Tensor, tol: Toleranc
     return CheckResult(name, ok, m, tol, detail=detail, divergence=None if ok else divergence)
 
 
+def raised_check(name: str, e: BaseException, who: str = "") -> CheckResult:
+    """Check `name` failed because `who` (or the check itself) raised `e`: its type and message, one line (where it
+    was raised too under FVPARITY_DEBUG=1)."""
+    detail = f"{who + ' ' if who else ''}raised {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    if os.environ.get("FVPARITY_DEBUG") and e.__traceback__ is not None:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        detail += f" (at {Path(where.filename).name}:{where.lineno})"
+    return CheckResult(name, False, detail=detail)
+
+
+@contextlib.contextmanager
+def exceptions_fail(checks: list[CheckResult], name: str, who: str = "") -> Iterator[None]:
+    """An exception inside the block is check `name` failing (appended to `checks`, after whatever the block
+    appended before it) and the run goes on after the block. A SetupError (bad input: exit 2) passes through."""
+    try:
+        yield
+    except SetupError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a failure of what is checked, not of the harness
+        checks.append(raised_check(name, e, who))
+
+
+_OPENED: ContextVar[list[Report] | None] = ContextVar("parity_reports_opened", default=None)
+
+
+@contextlib.contextmanager
+def opened_reports() -> Iterator[list[Report]]:
+    """Every Report created inside the block, in order: a level runner that raises still hands back the checks it
+    made (ParityFamily.run)."""
+    opened: list[Report] = []
+    token = _OPENED.set(opened)
+    try:
+        yield opened
+    finally:
+        _OPENED.reset(token)
+
+
 @dataclass
 class Report:
     family: str
     level: str
     settings: dict
     checks: list[CheckResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        opened = _OPENED.get()
+        if opened is not None:
+            opened.append(self)
 
     @property
     def passed(self) -> bool:

@@ -18,7 +18,7 @@ from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily
 from parity.golden import read_diffusers_dir
 from parity.localise import ChunkTrace
 from parity.metrics import compare
-from parity.report import CheckResult, Report, tensor_check as check
+from parity.report import CheckResult, Report, exceptions_fail, tensor_check as check
 from parity.weights import random_state_dict
 
 import optimized.models.cosmos3.sound as opt_sound
@@ -91,29 +91,30 @@ def run_sound_c0(variants: list[str], checkpoint: str | None, device: str, dtype
         for dname in dtypes:
             dtype, tol = DTYPES[dname], contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
             progress(f"[cosmos3-sound C0] {v} {dname}")
-            ref = ref_sound.load_sound_tokenizer(cfg, state, device, dtype)
-            fast = opt_sound.load_fast_sound_decoder(cfg, state, device, dtype)
-            T = 2 * opt_sound.halo_frames(cfg) + 5 if v.startswith("tiny") else 8
-            gains = torch.tensor(C0_GAINS).view(-1, 1, 1)
-            z = torch.randn(len(C0_GAINS), cfg.latent_dim, T, generator=torch.Generator().manual_seed(seed + 1))
-            z = (z * gains).to(device, dtype)
-            ref_trace = ChunkTrace()
-            with torch.no_grad():
-                want = ref.decode(z, trace=ref_trace)
-            with _planted(fault, fast):
-                got = fast.decode(z)
-                chunked = fast.decode_chunked(z, max(1, T // 3))
-                unbatched = fast.decode(z[0])
-                fold = check_weight_norm_fold(f"{v}/{dname}/weight_norm_fold", state, fast, dtype)
-            div = "decoder.block.1" if fault else "decoder"
-            p = f"{v}/{dname}/sound_decode"
-            report.checks.append(fold)
-            report.checks.append(check(f"{p}/whole", got, want, tol, div,
-                                       f"{list(z.shape)} at gains {C0_GAINS} -> {list(want.shape)}, weight norm "
-                                       f"folded at load"))
-            report.checks.append(check(f"{p}/chunked", chunked, want, tol, div,
-                                       f"{max(1, T // 3)} latent frames per chunk, halo {opt_sound.halo_frames(cfg)}"))
-            report.checks.append(check(f"{p}/unbatched", unbatched, want[0], tol, div, "[C, T] input"))
+            with exceptions_fail(report.checks, f"{v}/{dname}"):  # an exception fails these rows, not the run
+                ref = ref_sound.load_sound_tokenizer(cfg, state, device, dtype)
+                fast = opt_sound.load_fast_sound_decoder(cfg, state, device, dtype)
+                T = 2 * opt_sound.halo_frames(cfg) + 5 if v.startswith("tiny") else 8
+                gains = torch.tensor(C0_GAINS).view(-1, 1, 1)
+                z = torch.randn(len(C0_GAINS), cfg.latent_dim, T, generator=torch.Generator().manual_seed(seed + 1))
+                z = (z * gains).to(device, dtype)
+                ref_trace = ChunkTrace()
+                with torch.no_grad():
+                    want = ref.decode(z, trace=ref_trace)
+                with _planted(fault, fast):
+                    got = fast.decode(z)
+                    chunked = fast.decode_chunked(z, max(1, T // 3))
+                    unbatched = fast.decode(z[0])
+                    fold = check_weight_norm_fold(f"{v}/{dname}/weight_norm_fold", state, fast, dtype)
+                div = "decoder.block.1" if fault else "decoder"
+                p = f"{v}/{dname}/sound_decode"
+                report.checks.append(fold)
+                report.checks.append(check(f"{p}/whole", got, want, tol, div,
+                                           f"{list(z.shape)} at gains {C0_GAINS} -> {list(want.shape)}, weight norm "
+                                           f"folded at load"))
+                report.checks.append(check(f"{p}/chunked", chunked, want, tol, div, f"{max(1, T // 3)} latent frames "
+                                           f"per chunk, halo {opt_sound.halo_frames(cfg)}"))
+                report.checks.append(check(f"{p}/unbatched", unbatched, want[0], tol, div, "[C, T] input"))
     return report
 
 

@@ -22,7 +22,7 @@ from parity.families.cosmos3.common import (DEFAULT_VARIANTS, cast_inputs, compa
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, exact, within
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 
 import optimized.models.cosmos3 as opt
 import reference.cosmos3 as ref
@@ -59,13 +59,14 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
             dtype = DTYPES[dname]
             tol = contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
             progress(f"[cosmos3 C0] {vname} {dname}: loading both sides")
-            reference = load_reference(cfg, state, device, dtype)
-            fast = load_optimized(cfg, state, device, dtype)
             # a config permutation (`variant+switches`) runs the anchors only: its rule is the config, not the inputs
             specs = keep(list(case_lib.C0_ANCHORS) if "+" in vname else case_lib.c0_cases(cases, seed))
-            with fault_lib.planted(fault, fast, cfg):
-                report.checks += c0_checks(vname, dname, cfg, reference, fast, tol, dtype, seed, progress, specs,
-                                           full=cases == "full")
+            with exceptions_fail(report.checks, f"{vname}/{dname}"):  # an exception fails these rows, not the run
+                reference = load_reference(cfg, state, device, dtype)
+                fast = load_optimized(cfg, state, device, dtype)
+                with fault_lib.planted(fault, fast, cfg):
+                    report.checks += c0_checks(vname, dname, cfg, reference, fast, tol, dtype, seed, progress, specs,
+                                               full=cases == "full")
     if checkpoint is None and fault is None and only is None:  # cosmos3's decoders: the Wan2.2 VAE and the sound decoder
         report.checks += decoder_checks(device, dtypes, seed, progress)
     return report
@@ -79,9 +80,10 @@ def decoder_checks(device: str, dtypes: list[str], seed: int, progress) -> list[
     checks = []
     for prefix, run in (("vae", lambda: run_wan_vae_c0(["tiny-2.2"], None, device, dtypes, seed, None, progress)),
                         ("sound", lambda: run_sound_c0(["tiny"], None, device, dtypes, seed, None, progress))):
-        for c in run().checks:
-            c.name = f"{prefix}/{c.name}"
-            checks.append(c)
+        with exceptions_fail(checks, prefix):
+            for c in run().checks:
+                c.name = f"{prefix}/{c.name}"
+                checks.append(c)
     return checks
 
 

@@ -37,7 +37,7 @@ from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
 from parity.graph_checks import (InterleaveCases, capture_interleave_checks, dynamo_counts, graph_kinds_check,
                                   recording_calls)
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 
 import optimized
 import reference.cosmos3 as ref
@@ -235,32 +235,33 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
             for case in [c for c in loop_cases(cfg, cases, seed) if wanted(c.name)]:
                 progress(f"[cosmos3 C1] {vname} {dname}: {case.name} ({len(case.requests)} request(s), "
                          f"{case.cfg_policy} CFG)")
-                engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy,
-                                                          batching="greedy")
-                engine.model.configure_graph(graph, cfg_policy=case.cfg_policy, variant=vname)
-                with fault_lib.planted_c1(fault, engine):
-                    # the gen-step calls of the first case and of the first with two callers, replayed interleaved
-                    with recording_calls([engine.model], enabled=interleave.wants(len(case.requests))) as calls:
-                        eng_runs = run_engine_case(engine, case)
-                    report.checks += capture_interleave_checks(f"{vname}/{dname}/{case.name}", calls)
-                    peers = {e.extra["rid"]: (q, e) for q, e in zip(case.requests, eng_runs)}
-                    for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
-                        ref_run = run_reference_loop(reference, req)
-                        prefix = f"{vname}/{dname}/{case.name}" + (f"/req{k}" if len(case.requests) > 1 else "")
-                        checks = compare_runs(prefix, ref_run, eng_run, tol, lambda step, req=req, r=ref_run,
-                                              e=eng_run, c=case: localise_step(reference, engine, req, r, e, step,
-                                                                               c0_tol, dtype, peers, c.cfg_policy))
-                        if graph != "eager":  # the step body really ran the asked graph, bucket by bucket
-                            checks.append(graph_kinds_check(f"{prefix}/graph_{graph}", graph,
-                                                            eng_run.extra.get("graphs", []),
-                                                            dynamo_counts() if graph == "compile" else None))
-                        if len(case.requests) > 1 and (case.name == "concurrent3" or "batch_position" in case.rules):
-                            batched = max(eng_run.extra["batch_sizes"], default=0) > 1   # a failed run: no step
-                            checks.append(CheckResult(f"{prefix}/batched_with_others", batched,
-                                                      detail=f"batch sizes per step {eng_run.extra['batch_sizes']}"))
-                        report.checks += checks
+                with exceptions_fail(report.checks, f"{vname}/{dname}/{case.name}"):  # fails this case, not the run
+                    engine = optimized.Engine.from_state_dict(cfg, state, device, dtype, cfg_policy=case.cfg_policy,
+                                                              batching="greedy")
+                    engine.model.configure_graph(graph, cfg_policy=case.cfg_policy, variant=vname)
+                    with fault_lib.planted_c1(fault, engine):
+                        # the gen-step calls of the first case and of the first with two callers, replayed interleaved
+                        with recording_calls([engine.model], enabled=interleave.wants(len(case.requests))) as calls:
+                            eng_runs = run_engine_case(engine, case)
+                        report.checks += capture_interleave_checks(f"{vname}/{dname}/{case.name}", calls)
+                        peers = {e.extra["rid"]: (q, e) for q, e in zip(case.requests, eng_runs)}
+                        for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
+                            ref_run = run_reference_loop(reference, req)
+                            prefix = f"{vname}/{dname}/{case.name}" + (f"/req{k}" if len(case.requests) > 1 else "")
+                            checks = compare_runs(prefix, ref_run, eng_run, tol, lambda step, req=req, r=ref_run,
+                                                  e=eng_run, c=case: localise_step(reference, engine, req, r, e, step,
+                                                                                   c0_tol, dtype, peers, c.cfg_policy))
+                            if graph != "eager":  # the step body really ran the asked graph, bucket by bucket
+                                checks.append(graph_kinds_check(f"{prefix}/graph_{graph}", graph,
+                                                                eng_run.extra.get("graphs", []),
+                                                                dynamo_counts() if graph == "compile" else None))
+                            if len(case.requests) > 1 and (case.name == "concurrent3" or "batch_position" in case.rules):
+                                batched = max(eng_run.extra["batch_sizes"], default=0) > 1   # a failed run: no step
+                                checks.append(CheckResult(f"{prefix}/batched_with_others", batched,
+                                                          detail=f"batch sizes per step {eng_run.extra['batch_sizes']}"))
+                            report.checks += checks
             if wanted("ar"):
-                with fault_lib.planted_c1(fault, None):
+                with exceptions_fail(report.checks, f"{vname}/{dname}/ar"), fault_lib.planted_c1(fault, None):
                     report.checks += ar_checks(f"{vname}/{dname}", cfg, state, reference, dtype, device, c0_tol,
                                                tol, progress, case_lib.ar_requests(cfg, cases, seed), graph=graph,
                                                plant=fault_lib.ar_engine_planter(fault))

@@ -12,7 +12,7 @@ from manifests.cosmos3.sampling import SDEConfig
 from parity.families.cosmos3.c2 import request
 from parity.families.cosmos3.common import load_reference, resolve_models
 from parity.family import DTYPES, Fault
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 from parity.rollout_checks import (C3_ALPHA, C3_BASE, check_fault, cpu_threads, engine_sides, guidance_drift,
                                    rollout_distribution_checks, sample_set)
 
@@ -68,6 +68,6 @@ def run_c3(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
     chosen = variants or ([] if checkpoint else list(DEFAULT_VARIANTS))
     for vname, cfg, state in resolve_models(chosen, checkpoint, seed):
         for dname in dtypes:
-            with cpu_threads(device):
+            with cpu_threads(device), exceptions_fail(report.checks, f"{vname}/{dname}"):  # fails these rows only
                 report.checks += c3_checks(f"{vname}/{dname}", cfg, state, device, dname, fault, progress)
     return report

@@ -47,7 +47,7 @@ from parity.families.cosmos3.faults import C4_FAULTS, planted_c4
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.golden import read_diffusers_dir
 from parity.metrics import compare, within
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail, raised_check
 
 STEPS = 4
 NUM_FRAMES, HEIGHT, WIDTH = 9, 48, 64          # -> latent [1, 48, 3, 3, 4]
@@ -235,16 +235,16 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                                 cond = side.encode_condition(clip) if case.image else None
                                 sides[who] = cond, side.generate(case_request(comp, case, cond))
                             except Exception as e:  # noqa: BLE001
-                                report.checks.append(CheckResult(f"{prefix}/{who}", False,
-                                                                 detail=f"{who} raised {type(e).__name__}: {e}"))
+                                report.checks.append(raised_check(f"{prefix}/{who}", e, who=who))
                                 break
                         if len(sides) < 2:
                             continue
                         (ref_cond, want), (eng_cond, got) = sides["reference"], sides["engine"]
-                        if case.image:
-                            report.checks += condition_checks(prefix, ref_cond, eng_cond, got, component_tol)
-                        report.checks += artifact_checks(prefix, want, got, bounds, latent_tol,
-                                                         rate, Path(tmp), progress)
+                        with exceptions_fail(report.checks, f"{prefix}/artifacts"):  # a comparison that raises fails
+                            if case.image:
+                                report.checks += condition_checks(prefix, ref_cond, eng_cond, got, component_tol)
+                            report.checks += artifact_checks(prefix, want, got, bounds, latent_tol,
+                                                             rate, Path(tmp), progress)
     return report
 
 

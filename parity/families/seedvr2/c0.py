@@ -19,7 +19,7 @@ from parity.families.seedvr2 import cases as C
 from parity.families.seedvr2.faults import check_fault, planted
 from parity.localise import first_divergence
 from parity.metrics import compare, within
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 
 import optimized.models.seedvr2 as opt
 import reference.seedvr2 as ref
@@ -168,26 +168,29 @@ def nadit_checks(vname: str, dname: str, cfg, state, tol, seed, world_sizes, fau
             inp = C.make_inputs(cfg, case.grids, case.text_lens, seed + i)
             prefix = f"{vname}/{dname}/{case.name}"
             single_sample = len(case.grids) == 1  # batched traces cover sample 0 only on the reference side
-            progress(f"[seedvr2 C0] {prefix}: reference")
-            ref_trace = Recorder()
-            want = run_reference(reference, inp, dtype, trace=ref_trace)
-            for ws in world_sizes if case.world_sizes == "all" else [1]:
-                if ws > 1:
-                    progress(f"[seedvr2 C0] {prefix}: sp={ws} on {ws} gloo ranks")
-                    checks += _sp_checks(prefix, vname, state, inp, dname, fault, ws, want, ref_trace,
-                                         single_sample, tol)
-                    continue
-                rec = Recorder()
-                try:
-                    got = run_optimized(fast, inp, dtype, trace=rec)
-                except RuntimeError as e:
-                    checks.append(CheckResult(f"{prefix}/sp=1", False, detail=str(e), divergence=str(e).split(" ")[0]))
-                    continue
-                traced = rec.records if single_sample else {}
-                checks.append(compare_check(f"{prefix}/sp=1", got, want, tol,
-                                            lambda: localise(ref_trace.records, traced, tol)))
-                if single_sample:
-                    checks.append(block_outputs_check(f"{prefix}/sp=1/block_outputs", ref_trace.records, traced, tol))
+            with exceptions_fail(checks, prefix):  # an exception fails this case, not the run
+                progress(f"[seedvr2 C0] {prefix}: reference")
+                ref_trace = Recorder()
+                want = run_reference(reference, inp, dtype, trace=ref_trace)
+                for ws in world_sizes if case.world_sizes == "all" else [1]:
+                    if ws > 1:
+                        progress(f"[seedvr2 C0] {prefix}: sp={ws} on {ws} gloo ranks")
+                        checks += _sp_checks(prefix, vname, state, inp, dname, fault, ws, want, ref_trace,
+                                             single_sample, tol)
+                        continue
+                    rec = Recorder()
+                    try:
+                        got = run_optimized(fast, inp, dtype, trace=rec)
+                    except RuntimeError as e:
+                        checks.append(CheckResult(f"{prefix}/sp=1", False, detail=str(e),
+                                                  divergence=str(e).split(" ")[0]))
+                        continue
+                    traced = rec.records if single_sample else {}
+                    checks.append(compare_check(f"{prefix}/sp=1", got, want, tol,
+                                                lambda: localise(ref_trace.records, traced, tol)))
+                    if single_sample:
+                        checks.append(block_outputs_check(f"{prefix}/sp=1/block_outputs", ref_trace.records, traced,
+                                                          tol))
     return checks
 
 

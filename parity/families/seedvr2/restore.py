@@ -12,7 +12,7 @@ from parity.families.seedvr2.c0 import compare_check, env_world_sizes, resolve_v
 from parity.families.seedvr2.cases import nadit_state, vae_init
 from parity.families.seedvr2.faults import check_fault, planted
 from parity.metrics import compare
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 from parity.weights import random_state_dict
 
 import optimized.models.seedvr2 as opt
@@ -67,27 +67,28 @@ def _restore_level(level: str, variants, checkpoint, device, dtypes, seed, fault
     report = Report("seedvr2", level, {"variants": variants or ["tiny-3b"], "world_sizes": world_sizes,
                                        "seed": seed, "fault": fault})
     for vname, cfg in resolve_variants(variants or ["tiny-3b"], checkpoint, seed):
-        state = nadit_state(cfg, seed)
-        vae_cfg, vae_state, args = restore_inputs(cfg, seed)
-        progress(f"[seedvr2 {level}] {vname}: reference restoration")
-        want = restore(ref.load_nadit(cfg, state), load_vae(vae_cfg, vae_state), *args)
-        for ws in world_sizes:
-            progress(f"[seedvr2 {level}] {vname}: optimized restoration at sp={ws}")
-            got = run_ranks(restore_worker, ws, (vname, state, vae_state, args, fault), timeout_s=300)[0] if ws > 1 \
-                else restore_worker(SPGroup.single(), vname, state, vae_state, args, fault)
-            name = f"{vname}/sp={ws}"
-            if level == "C1":
-                for field in ("dit_vid_sample", "x0_latent"):
-                    r = compare_check(f"{name}/step0/{field}", got[field], getattr(want, field), tol)
-                    if not r.passed:
-                        r.divergence = "the DiT call of step 0 (run fvparity C0 to localise the layer)"
-                    report.checks.append(r)
-            else:
-                m = compare(got["decoded"], want.decoded)
-                ssim, psnr = _frames_metrics(got["output_uint8"], want.output_uint8)
-                ok = ssim >= (tol.min_ssim or 0) and psnr >= (tol.min_psnr or 0)
-                report.checks.append(CheckResult(f"{name}/frames", ok, m, tol,
-                                                 detail=f"SSIM {ssim:.6f}, PSNR {psnr:.2f} dB"))
+        with exceptions_fail(report.checks, vname):  # an exception fails this variant's rows, not the run
+            state = nadit_state(cfg, seed)
+            vae_cfg, vae_state, args = restore_inputs(cfg, seed)
+            progress(f"[seedvr2 {level}] {vname}: reference restoration")
+            want = restore(ref.load_nadit(cfg, state), load_vae(vae_cfg, vae_state), *args)
+            for ws in world_sizes:
+                progress(f"[seedvr2 {level}] {vname}: optimized restoration at sp={ws}")
+                got = (run_ranks(restore_worker, ws, (vname, state, vae_state, args, fault), timeout_s=300)[0]
+                       if ws > 1 else restore_worker(SPGroup.single(), vname, state, vae_state, args, fault))
+                name = f"{vname}/sp={ws}"
+                if level == "C1":
+                    for field in ("dit_vid_sample", "x0_latent"):
+                        r = compare_check(f"{name}/step0/{field}", got[field], getattr(want, field), tol)
+                        if not r.passed:
+                            r.divergence = "the DiT call of step 0 (run fvparity C0 to localise the layer)"
+                        report.checks.append(r)
+                else:
+                    m = compare(got["decoded"], want.decoded)
+                    ssim, psnr = _frames_metrics(got["output_uint8"], want.output_uint8)
+                    ok = ssim >= (tol.min_ssim or 0) and psnr >= (tol.min_psnr or 0)
+                    report.checks.append(CheckResult(f"{name}/frames", ok, m, tol,
+                                                     detail=f"SSIM {ssim:.6f}, PSNR {psnr:.2f} dB"))
     return report
 
 

@@ -30,7 +30,7 @@ from parity.families.wan.common import (DEFAULT_VARIANTS, ModelUnderTest, contra
                                         optimized_step_input, reference_pipeline, resolve_models)
 from parity.family import DTYPES
 from parity.metrics import compare, exact, within
-from parity.report import CheckResult, Report, tensor_check as check
+from parity.report import CheckResult, Report, exceptions_fail, tensor_check as check
 
 import optimized.models.wan as opt_wan
 from optimized.models.wan.denoise import WanDenoiseLoop
@@ -63,16 +63,19 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                 report.checks += dit_rows(prefix, m, tol("dit"), dtype, device, seed, fault, dname == "fp32",
                                           progress, cases)
             if m.kind in ("model", "text_encoder"):
-                report.checks += umt5_rows(prefix, m, tol("umt5"), dtype, device, seed, fault, progress)
+                with exceptions_fail(report.checks, f"{prefix}/umt5"):  # an exception fails these rows, not the run
+                    report.checks += umt5_rows(prefix, m, tol("umt5"), dtype, device, seed, fault, progress)
             if m.is_model:
-                report.checks += scheduler_checks(f"{prefix}/scheduler", m.cfg, tol("scheduler"), dtype, seed)
+                with exceptions_fail(report.checks, f"{prefix}/scheduler"):
+                    report.checks += scheduler_checks(f"{prefix}/scheduler", m.cfg, tol("scheduler"), dtype, seed)
             if m.kind == "vae" or (m.is_model and (m.cfg.vae, dname) not in vae_done):
                 vcfg = m.cfg if m.kind == "vae" else m.cfg.vae
                 vae_done.append((vcfg, dname))
                 report.checks += vae_rows(m, vcfg, tol("vae"), dname, dtype, device, seed, fault, progress)
         if m.is_model:
-            report.checks += input_checks(f"{m.name}/fp32/input", m, contract_tolerance("C0", "input", "fp32", "cpu"),
-                                          seed, fault, progress)
+            with exceptions_fail(report.checks, f"{m.name}/fp32/input"):
+                report.checks += input_checks(f"{m.name}/fp32/input", m,
+                                              contract_tolerance("C0", "input", "fp32", "cpu"), seed, fault, progress)
     if fault is not None:
         report.settings["fault_planted_in"] = _planted_in(fault)
     return report
@@ -101,11 +104,12 @@ def dit_rows(prefix, m: ModelUnderTest, tol, dtype, device, seed, fault, traces,
     checks = []
     for label, component, cfg in experts:
         progress(f"[wan C0] {prefix}: {label} loading both sides")
-        reference = load_reference_dit(cfg, m.weights[component], device, dtype)
-        fast = load_optimized_dit(cfg, m.weights[component], device, dtype, component)
-        with faults.planted_dit(fault if label == "dit" else None, fast):
-            checks += dit.dit_checks(f"{prefix}/{label}", cfg, reference, fast, tol, dtype, device, seed, max_len,
-                                     traces, progress, matrix)
+        with exceptions_fail(checks, f"{prefix}/{label}"):  # an exception fails this expert's rows, not the run
+            reference = load_reference_dit(cfg, m.weights[component], device, dtype)
+            fast = load_optimized_dit(cfg, m.weights[component], device, dtype, component)
+            with faults.planted_dit(fault if label == "dit" else None, fast):
+                checks += dit.dit_checks(f"{prefix}/{label}", cfg, reference, fast, tol, dtype, device, seed,
+                                         max_len, traces, progress, matrix)
     return checks
 
 
@@ -123,12 +127,15 @@ def vae_rows(m: ModelUnderTest, vcfg, tol, dname, dtype, device, seed, fault, pr
     name = next((v for v in list_variants() if load_variant(v) == vcfg), None) if m.is_model else m.name
     prefix = f"vae:{name}/{dname}" if name and m.is_model else f"{m.name}/{dname}" + ("/vae" if m.is_model else "")
     state = m.weights["vae"]
-    model = ref.load_vae(vcfg, state, device, dtype)
-    fast = opt_wan.load_fast_vae(vcfg, state, device, dtype)
     progress(f"[wan C0] {prefix}: VAE decode / encode")
-    with faults.planted_vae(fault, fast):
-        return vae.c0_checks(prefix, vcfg, model, fast, tol, dtype, device, seed, not (name or "").startswith("tiny"),
-                             components=dname == "fp32", progress=progress)
+    checks: list[CheckResult] = []
+    with exceptions_fail(checks, prefix):  # an exception fails this VAE's rows, not the run
+        model = ref.load_vae(vcfg, state, device, dtype)
+        fast = opt_wan.load_fast_vae(vcfg, state, device, dtype)
+        with faults.planted_vae(fault, fast):
+            checks += vae.c0_checks(prefix, vcfg, model, fast, tol, dtype, device, seed,
+                                    not (name or "").startswith("tiny"), components=dname == "fp32", progress=progress)
+    return checks
 
 
 # ------------------------------------------------------------------------------------------------

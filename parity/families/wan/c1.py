@@ -40,7 +40,7 @@ from parity.graph_checks import (InterleaveCases, capture_interleave_checks, dyn
                                   recording_calls)
 from parity.localise import first_divergence
 from parity.metrics import compare, exact, within
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 
 import optimized
 from optimized.models.wan.denoise import WanDenoiseJob
@@ -301,31 +301,32 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
             for case in case_lib.c1_cases(m.cfg, cases, seed):
                 prefix = f"{m.name}/{dname}/{case.name}"
                 progress(f"[wan C1] {prefix}: {len(case.requests)} request(s), {case.cfg_policy} CFG")
-                engine = engine_for(m, device, dtype, seed, case.cfg_policy)
-                engine.model.configure_graph(graph, cfg_policy=case.cfg_policy)
-                with faults.planted_engine(fault, engine):
-                    # the block-stack calls of the first case and of the first with two callers, replayed interleaved
-                    recorded = interleave.wants(len(case.requests))
-                    with recording_calls(engine.model.experts(), enabled=recorded) as calls:
-                        eng_runs = run_engine_case(engine, case)
-                    report.checks += capture_interleave_checks(prefix, calls)
-                    for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
-                        ref_run = run_reference(pipe, req)
-                        p = prefix + (f"/req{k}" if len(case.requests) > 1 else "")
-                        report.checks += schedule_checks(p, ref_run, eng_run)
-                        report.checks += trajectory_checks(
-                            p, ref_run, eng_run, tol, lambda step, req=req, r=ref_run, e=eng_run, eng=engine:
-                            localise_step(pipe, eng, req, r, e, step, step_tol))
-                        if case.boundary_step is not None:
-                            report.checks.append(boundary_check(p, m.cfg, ref_run, case.boundary_step))
-                        if graph != "eager":  # the block stack really ran the asked graph, step by step
-                            report.checks.append(graph_kinds_check(
-                                f"{p}/graph_{graph}", graph, eng_run.extra.get("graphs", []),
-                                dynamo_counts() if graph == "compile" else None))
-                        if len(case.requests) > 1 and case.batched:
-                            sizes = eng_run.extra["batch_sizes"]
-                            report.checks.append(CheckResult(f"{p}/batched_with_others", max(sizes, default=0) > 1,
-                                                             detail=f"batch size per step {sizes}"))
+                with exceptions_fail(report.checks, prefix):  # an exception fails this case, not the run
+                    engine = engine_for(m, device, dtype, seed, case.cfg_policy)
+                    engine.model.configure_graph(graph, cfg_policy=case.cfg_policy)
+                    with faults.planted_engine(fault, engine):
+                        # the block-stack calls of the first case and of the first with two callers, replayed interleaved
+                        recorded = interleave.wants(len(case.requests))
+                        with recording_calls(engine.model.experts(), enabled=recorded) as calls:
+                            eng_runs = run_engine_case(engine, case)
+                        report.checks += capture_interleave_checks(prefix, calls)
+                        for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
+                            ref_run = run_reference(pipe, req)
+                            p = prefix + (f"/req{k}" if len(case.requests) > 1 else "")
+                            report.checks += schedule_checks(p, ref_run, eng_run)
+                            report.checks += trajectory_checks(
+                                p, ref_run, eng_run, tol, lambda step, req=req, r=ref_run, e=eng_run, eng=engine:
+                                localise_step(pipe, eng, req, r, e, step, step_tol))
+                            if case.boundary_step is not None:
+                                report.checks.append(boundary_check(p, m.cfg, ref_run, case.boundary_step))
+                            if graph != "eager":  # the block stack really ran the asked graph, step by step
+                                report.checks.append(graph_kinds_check(
+                                    f"{p}/graph_{graph}", graph, eng_run.extra.get("graphs", []),
+                                    dynamo_counts() if graph == "compile" else None))
+                            if len(case.requests) > 1 and case.batched:
+                                sizes = eng_run.extra["batch_sizes"]
+                                report.checks.append(CheckResult(f"{p}/batched_with_others", max(sizes, default=0) > 1,
+                                                                 detail=f"batch size per step {sizes}"))
     return report
 
 

@@ -11,7 +11,7 @@ from manifests.solvers import SDEConfig
 from parity.families.wan.c2 import sde_request
 from parity.families.wan.common import reference_pipeline, resolve_models
 from parity.family import DTYPES, Fault
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail
 from parity.rollout_checks import (C3_ALPHA, C3_BASE, check_fault, cpu_threads, engine_sides, guidance_drift,
                                    rollout_distribution_checks, sample_set)
 
@@ -64,6 +64,6 @@ def run_c3(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
     chosen = variants or ([] if checkpoint else list(DEFAULT_VARIANTS))
     for m in resolve_models(chosen, checkpoint, seed, kinds=("model",)):
         for dname in dtypes:
-            with cpu_threads(device):
+            with cpu_threads(device), exceptions_fail(report.checks, f"{m.name}/{dname}"):  # fails these rows only
                 report.checks += c3_checks(f"{m.name}/{dname}", m, device, dname, fault, progress)
     return report

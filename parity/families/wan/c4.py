@@ -32,7 +32,7 @@ from parity.families.wan.common import (DEFAULT_VARIANTS, contract_tolerance, en
                                         reference_pipeline, resolve_models)
 from parity.family import DTYPES
 from parity.metrics import compare, within
-from parity.report import CheckResult, Report
+from parity.report import CheckResult, Report, exceptions_fail, raised_check
 
 DEFAULT_BOUNDS = {"min_ssim": 0.999, "min_psnr": 60.0}   # used only while the contract's C4 row lacks a field
 
@@ -107,8 +107,7 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                         res = pipe.generate(req)
                         want = Decoded(res.latents, pipe.decode(res.latents))
                     except Exception as e:  # noqa: BLE001
-                        report.checks.append(CheckResult(f"{prefix}/reference", False,
-                                                         detail=f"reference raised {type(e).__name__}: {e}"))
+                        report.checks.append(raised_check(f"{prefix}/reference", e, who="reference"))
                         continue
                     try:
                         latents = engine.generate(req)["latents"]["vision"]
@@ -116,14 +115,14 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                             got = Decoded(latents, engine_decode(engine, latents))
                             got2 = engine_decode(engine, latents, chunk_frames=2)
                     except Exception as e:  # noqa: BLE001
-                        report.checks.append(CheckResult(f"{prefix}/engine", False,
-                                                         detail=f"engine raised {type(e).__name__}: {e}"))
+                        report.checks.append(raised_check(f"{prefix}/engine", e, who="engine"))
                         continue
-                    report.checks += frame_checks(prefix, want, got, bounds, latent_tol, Path(tmp), progress)
-                    m2 = compare(got2, got.video)
-                    report.checks.append(CheckResult(f"{prefix}/decode_chunk2", within(m2, latent_tol), m2,
-                                                     latent_tol, detail="engine decode, 2 latent frames per chunk, "
-                                                                        "vs 1 per chunk"))
+                    with exceptions_fail(report.checks, f"{prefix}/frames"):  # a comparison that raises fails too
+                        report.checks += frame_checks(prefix, want, got, bounds, latent_tol, Path(tmp), progress)
+                        m2 = compare(got2, got.video)
+                        report.checks.append(CheckResult(f"{prefix}/decode_chunk2", within(m2, latent_tol), m2,
+                                                         latent_tol, detail="engine decode, 2 latent frames per "
+                                                                            "chunk, vs 1 per chunk"))
     if not report.checks:
         raise SetupError("no C4 case ran")
     return report

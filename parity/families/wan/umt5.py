@@ -46,6 +46,8 @@ def padded_batch(ids_list: list[torch.Tensor], L: int) -> tuple[torch.Tensor, to
 
 
 def padding_divergence(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, tol: Tolerance) -> str:
+    if tuple(got.shape[:2]) != tuple(mask.shape):  # e.g. trimmed to the longest prompt instead of padded to L
+        return f"{PADDING} (embeddings are {list(got.shape)}: not padded to {mask.shape[1]} rows)"
     real = mask.bool()
     if (got[~real] != 0).any():
         return f"{PADDING} (rows after each prompt's length are not zero: max |x| {got[~real].abs().max():.2e})"
