@@ -156,3 +156,24 @@ def test_real_cuda_graphs_interleave(fault):
         (check,) = capture_interleave_checks("toy", calls)
     assert "CUDA graph" in check.detail
     assert check.passed if fault is None else (not check.passed and SAYS[fault] in check.detail), check.detail
+
+
+# ---------------------------------------------------------------------------------------------- through C1
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, fault", [(f, x) for f in ("cosmos3", "wan") for x in
+                                           ("static-output-handback", "aliased-static-inputs")])
+def test_c1_names_the_capture_fault_at_its_interleave_check(family, fault):
+    """`fvparity run <family> --level C1 --plant-fault <fault>` (the C1 runner, first loop case): the interleave
+    check fails with the fault's declared divergence (parity/families/*/faults.py)."""
+    from parity.families import families
+
+    if family == "cosmos3":
+        from parity.families.cosmos3.c1 import run_c1
+        report = run_c1(["tiny"], None, "cpu", ["fp32"], 0, fault, lambda m: None, only=("t2v",))
+    else:
+        from parity.families.wan.c1 import run_c1
+        report = run_c1(["tiny-2.1-t2v"], None, "cpu", ["fp32"], 0, fault, lambda m: None)
+    caps = [c for c in report.checks if "/capture_interleave[" in c.name]
+    want = families()[family].fault(fault).divergence
+    assert caps and all(not c.passed and want in c.divergence for c in caps), [(c.name, c.divergence) for c in caps]
