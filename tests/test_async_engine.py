@@ -176,3 +176,117 @@ def test_artifacts_are_written_before_the_result_resolves(tmp_path):
     res, sidecar_there, last = run(main())
     assert sidecar_there and res.paths["frames"].endswith("clip") and last.data["paths"] == res.paths
     assert [p.name for p in tmp_path.iterdir()] == ["clip"]
+
+
+def test_submit_and_cancel_never_wait_on_the_drivers_tick():
+    """F12: a tick that takes a second (a big job's step) does not hold up a POST or a cancel."""
+    import time
+
+    async def main():
+        eng = AsyncEngine(Engine.from_variant("tiny-2.1-t2v", seed=0))
+        real_tick = eng.engine.scheduler.tick
+        ticking = threading.Event()
+
+        def slow_tick():
+            ticking.set()
+            time.sleep(1.0)
+            real_tick()
+
+        eng.engine.scheduler.tick = slow_tick
+        try:
+            big = await eng.submit(request(1, steps=50))
+            await asyncio.to_thread(ticking.wait, 10)
+            t0 = time.perf_counter()
+            small = await eng.submit(request(2, steps=1))
+            await small.cancel()
+            await big.cancel()
+            control_s = time.perf_counter() - t0
+            return control_s, await big.wait(), await small.wait()
+        finally:
+            await eng.close()
+
+    control_s, big, small = run(main())
+    assert control_s < 0.5, f"submit + cancel took {control_s:.2f}s behind a 1s tick"
+    assert big == "cancelled" and small == "cancelled"
+
+
+def test_a_second_async_engine_on_one_engine_collides_nothing():
+    """F13: request ids are unique per Engine across AsyncEngines; two open at once would both tick it: refused."""
+    from optimized.serving.async_engine import EngineBusy
+    sync = Engine.from_variant("tiny-2.1-t2v", seed=0)
+
+    async def first():
+        eng = AsyncEngine(sync)
+        try:
+            with pytest.raises(EngineBusy):
+                AsyncEngine(sync)
+            return (await eng.submit(request(1))).request_id, await eng.generate(request(2))
+        finally:
+            await eng.close()
+
+    async def second():
+        eng = AsyncEngine(sync)
+        try:
+            h = await eng.submit(request(1))
+            return h.request_id, await h.result()
+        finally:
+            await eng.close()
+
+    rid_a, _ = run(first())
+    rid_b, res = run(second())
+    assert rid_a != rid_b and res.frames.shape == (5, 32, 32, 3)
+
+
+def test_a_request_refused_after_accepted_still_ends_for_subscribers():
+    """F14: every request.accepted a global subscriber sees is followed by a terminal event, and a request refused
+    at submit is never announced at all."""
+    from optimized.runtime.scheduler import RequestRejected
+
+    async def main():
+        eng = AsyncEngine(Engine.from_variant("tiny-2.1-t2v", seed=0))
+        seen: dict = {}
+        eng.subscribe(lambda ev: seen.setdefault(ev.request_id, []).append(ev.kind))
+        try:
+            with pytest.raises(ValueError):
+                await eng.submit(request(1).__class__(**{**request(1).__dict__, "num_frames": 6}))
+
+            def refuse(*a, **k):
+                raise RequestRejected("refused by the scheduler")
+
+            await eng._call(lambda: setattr(eng.engine.scheduler, "submit", refuse))
+            h = await eng.submit(request(1))
+            status = await h.wait()
+            return seen, status, h, eng.queue_depth
+        finally:
+            await eng.close()
+
+    seen, status, h, depth = run(main())
+    assert list(seen) == [h.request_id], seen          # the invalid one was never announced
+    assert seen[h.request_id][0] == "request.accepted" and seen[h.request_id][-1] == "request.failed"
+    assert status == "failed" and "refused by the scheduler" in h.history[-1].data["error"] and depth == 0
+
+
+def test_finished_handles_are_released_once_fetched_or_expired():
+    """F4: the AsyncEngine holds a finished request only until its owner fetches it, or result_ttl passes."""
+    import gc
+    import weakref
+
+    async def main():
+        eng = AsyncEngine(Engine.from_variant("tiny-2.1-t2v", seed=0), result_ttl=0.0)
+        try:
+            results = [weakref.ref(await eng.generate(request(s, steps=1))) for s in range(4)]
+            fetched_left = len(eng.handles)
+            unfetched = [await eng.submit(request(s, steps=1)) for s in range(3)]
+            for h in unfetched:
+                await h.wait()
+            rids = [h.request_id for h in unfetched]
+            del unfetched, h
+            gc.collect()
+            return fetched_left, results, rids, dict(eng.handles)
+        finally:
+            await eng.close()
+
+    fetched_left, results, rids, left = run(main())
+    gc.collect()
+    assert fetched_left == 0 and left == {}, (fetched_left, list(left))
+    assert all(r() is None for r in results), "a fetched result is still held by the engine"
