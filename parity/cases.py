@@ -37,3 +37,21 @@ def describe(case) -> dict:
             return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
         return v
     return plain(case)
+
+
+def cfgp_mixes(cfgp: int) -> list[tuple[int, int]]:
+    """(guided, unguided) request counts of a same-tick batch, at least one of each and at most cfgp + 2 requests,
+    whose rows (one cond row per request, then one uncond row per guided request) split over `cfgp` CFG-parallel
+    ranks (optimized/parallel/cfg_parallel.py `split_rows`) give some rank rows of both branches, with no rank idle:
+    the batches a plan run's `cfgp_mixed_rows` rule draws from."""
+    from optimized.parallel.cfg_parallel import split_rows
+
+    most = cfgp + 2
+    out = []
+    for guided in range(1, most):
+        for unguided in range(1, most - guided + 1):
+            n_cond = guided + unguided
+            parts = split_rows(n_cond + guided, cfgp)
+            if all(b > a for a, b in parts) and any(a < n_cond < b for a, b in parts):
+                out.append((guided, unguided))
+    return out

@@ -9,8 +9,15 @@ through this module's entry point, which patches and then runs the launcher in t
 Seams and faults:
     optimized.parallel.sp.split_head_groups     ulysses-heads-permuted   head group d sent to rank d + 1 (forward
                                                                           all-to-all only; the inverse is right)
+    optimized.parallel.sp.sequence_to_heads     ulysses-heads-interleaved  the inverse all-to-all lays the heads out
+                                                                          interleaved (head j of group g at j * n + g,
+                                                                          not g * H / n + j): invisible at one head
+                                                                          per rank
     optimized.parallel.sp.attention_lse         ring-no-max-shift        ring partials as raw exp sums (no max)
     CFGParallel.branch_rows                     cfg-branches-swapped     rank r runs rank n-1-r's rows
+    CFGParallel.run                             cfg-rows-halved          the gathered predictions split in half (cond
+                                                                          = the first half), not by branch: right
+                                                                          only while every row of the batch is guided
     optimized.parallel.tp.column_shard          tp-column-wrong-slice    column shards from rank r + 1's slice
     AxisGroup.broadcast_object                  rank-exit:R / rank-hang:R / rank-raise:R   rank R dies / hangs /
                                                                           raises when the requests are broadcast
@@ -32,6 +39,19 @@ from parity.patching import patched  # noqa: F401 (re-exported: the one planting
 def _heads_permuted():
     from optimized.parallel import sp
     return patched(sp, "split_head_groups", lambda original: lambda x, n: original(x, n).roll(1, dims=0))
+
+
+def _heads_interleaved():
+    from optimized.parallel import sp
+
+    def make(original):
+        def interleaved(y, group):
+            out = original(y, group)
+            n = group.world_size
+            B, S, H, D = out.shape
+            return out.reshape(B, S, n, H // n, D).transpose(2, 3).reshape(B, S, H, D)
+        return interleaved
+    return patched(sp, "sequence_to_heads", make)
 
 
 def _ring_no_max_shift():
@@ -65,6 +85,20 @@ def _cfg_branches_swapped():
     return patched(CFGParallel, "branch_rows", make)
 
 
+def _cfg_rows_halved():
+    from optimized.parallel.cfg_parallel import CFGParallel
+
+    def make(original):
+        def halved(self, forward_batch, cond, uncond):
+            got_cond, got_uncond = original(self, forward_batch, cond, uncond)
+            if self.group.world_size == 1 or len(cond) + len(uncond) < self.group.world_size:
+                return got_cond, got_uncond   # the replicated path (BatchedCFG) is left right
+            preds = got_cond + got_uncond
+            return preds[: len(preds) // 2], preds[len(preds) // 2:]
+        return halved
+    return patched(CFGParallel, "run", make)
+
+
 def _tp_column_wrong_slice():
     from optimized.parallel import tp
 
@@ -96,8 +130,10 @@ def _rank_failure(kind: str, who: int):
 
 FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "ulysses-heads-permuted": _heads_permuted,
+    "ulysses-heads-interleaved": _heads_interleaved,
     "ring-no-max-shift": _ring_no_max_shift,
     "cfg-branches-swapped": _cfg_branches_swapped,
+    "cfg-rows-halved": _cfg_rows_halved,
     "tp-column-wrong-slice": _tp_column_wrong_slice,
 }
 RANK_FAULTS = ("rank-exit", "rank-hang", "rank-raise")

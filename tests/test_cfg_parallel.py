@@ -1,6 +1,8 @@
 """CFG-parallel (optimized/parallel/cfg_parallel.py) for wan, C1-style: the final latents of guided requests with
 plan cfgp2 on 2 gloo ranks vs one process vs the reference pipeline (fp32 rel-L2 within 1e-5); negative control:
-the branches swapped across ranks must fail. In-process: row split, structure gather at degree 1, registration."""
+the branches swapped across ranks must fail. The policy itself on every mix of guided and unguided rows vs the
+batched policy (the halved-predictions control must fail there). In-process: row split, structure gather at degree
+1, registration."""
 
 from __future__ import annotations
 
@@ -51,6 +53,41 @@ def _cfgp_worker(group) -> dict:
     with planted("cfg-branches-swapped"):   # the control, patched by this rank (parity/parallel_faults.py)
         out["swapped"] = latents(CFGParallel(mesh.axis("cfgp")))
     return out
+
+
+def _mixes_worker(group) -> dict:
+    """(guided, unguided) -> this rank's (cond, uncond) predictions of CFGParallel, clean and with the gathered
+    predictions cut in half (the control), on a forward that tags each row."""
+    mesh = build_mesh(ParallelPlan.parse("cfgp2"))
+
+    def forward(rows):   # one prediction per row, telling which row it came from
+        return [torch.full((2,), float(r)) for r in rows]
+
+    out: dict = {"clean": {}, "halved": {}}
+    for guided in range(1, 4):
+        for unguided in range(0, 3):
+            cond, uncond = list(range(guided + unguided)), [100 + k for k in range(guided)]
+            out["clean"][guided, unguided] = CFGParallel(mesh.axis("cfgp")).run(forward, cond, uncond)
+            with planted("cfg-rows-halved"):
+                out["halved"][guided, unguided] = CFGParallel(mesh.axis("cfgp")).run(forward, cond, uncond)
+    return out
+
+
+@pytest.mark.dist
+def test_cfg_parallel_matches_batched_on_every_mix_of_guided_and_unguided_rows():
+    """Every rank gets back the predictions of its rows' own branch, whichever rank ran them; the halved control
+    (cond = the first half of the gathered rows) is right only when no request is unguided."""
+    ranks = run_ranks(_mixes_worker, 2, (), timeout_s=240)
+    wrong_when_halved = set()
+    for (guided, unguided), got in ranks[0]["clean"].items():
+        want = ([float(r) for r in range(guided + unguided)], [100.0 + k for k in range(guided)])
+        for rank in ranks:
+            cond, uncond = rank["clean"][guided, unguided]
+            assert ([float(p[0]) for p in cond], [float(p[0]) for p in uncond]) == want, (guided, unguided)
+            h_cond, h_uncond = rank["halved"][guided, unguided]
+            if ([float(p[0]) for p in h_cond], [float(p[0]) for p in h_uncond]) != want:
+                wrong_when_halved.add((guided, unguided))
+    assert wrong_when_halved == {(g, u) for g in range(1, 4) for u in range(1, 3)}, sorted(wrong_when_halved)
 
 
 def test_split_rows_and_registration():

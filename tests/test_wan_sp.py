@@ -21,9 +21,19 @@ from optimized.parallel.plan import ParallelPlan
 VARIANT = "tiny-2.1-t2v"
 
 
-def c1(plan: str, fault: str | None = None, graph: str = "eager"):
+def c1(plan: str, fault: str | None = None, graph: str = "eager", only: tuple[str, ...] | None = None):
+    """wan C1 under `plan` on VARIANT; `only`: the case-name prefixes to run (a representative subset of the plan's
+    matrix for the default suite), else the CLI's whole run."""
     from parity.families.wan.c1 import run_c1
-    return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, plan=plan, graph=graph)
+    from parity.families.wan.common import resolve_models
+    from parity.families.wan.parallel import parse_plan, run_c1_plan
+    from parity.report import Report
+
+    if only is None:
+        return run_c1([VARIANT], None, "cpu", ["fp32"], 0, fault, lambda msg: None, plan=plan, graph=graph)
+    models = resolve_models([VARIANT], None, 0, kinds=("model",))
+    return run_c1_plan(Report("wan", "C1", {"variants": [VARIANT]}), models, parse_plan(plan, models, "cpu", fault),
+                       "cpu", ["fp32"], 0, fault, lambda msg: None, graph, wanted=lambda name: name.startswith(only))
 
 
 def fvparity(*args: str) -> subprocess.CompletedProcess:
@@ -61,12 +71,16 @@ def test_invalid_plan_exits_2_naming_the_constraint():
 
 @pytest.mark.dist
 def test_c1_ulysses2_passes_on_two_gloo_ranks():
-    report = c1("ulysses2")
+    """A representative subset of the plan's matrix (the whole one: test_c1_other_plans_pass, slow): the task's own
+    loop and the padded loop, on the variant and on its 2-heads-per-rank reading."""
+    report = c1("ulysses2", only=("t2v_unipc_cfg", "sp_padded_2", "heads4."))
     assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
     names = {c.name for c in report.checks}
     assert any("/rank1/" in n and n.endswith("/step3") for n in names)          # every rank, every step compared
     assert any(n.endswith("/vs_one_process") for n in names)                    # SP=2 vs SP=1 of the engine
     assert any("/sp_padded_2/rank1/" in n for n in names)                        # the padded loop ran and passed
+    assert any("/heads4.sp_padded_2/rank1/" in n for n in names)                 # 2 heads per rank, padded
+    assert any("/heads4.t2v_unipc_cfg/rank1/dit_step" in n for n in names)       # C0 per plan on that reading
 
 
 @pytest.mark.dist
@@ -101,9 +115,10 @@ def test_padded_case_pads_the_sharded_sequence():
 
     for n in (2, 3, 4, 8):
         assert tokens(padded_case(cfg, n).requests[0]) % n != 0, n
-    anchors = plan_cases(cfg, ParallelPlan.parse("ulysses2"))[:-1]
-    assert all(tokens(r) % 4 == 0 for c in anchors for r in c.requests)
-    assert [c.name for c in plan_cases(cfg, ParallelPlan.parse("cfgp2"))] == [c.name for c in anchors]
+    others = [c for c in plan_cases(cfg, ParallelPlan.parse("ulysses2")) if c.name != "sp_padded_2"]
+    assert len(others) > 4 and all(tokens(r) % 4 == 0 for c in others for r in c.requests)
+    cfgp = [c.name for c in plan_cases(cfg, ParallelPlan.parse("cfgp2")) if not c.name.startswith("cfgp_mixed_rows")]
+    assert cfgp == [c.name for c in others]
 
 
 @pytest.mark.dist
@@ -183,10 +198,15 @@ def test_heads_permuted_all_to_all_fails_naming_step_and_layer():
 
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["ring2", "cfgp2"])
-def test_c1_other_two_rank_plans_pass(plan):
+@pytest.mark.parametrize("plan", ["ulysses2", "ring2", "cfgp2"])
+def test_c1_other_plans_pass(plan):
+    """The CLI's whole plan matrix (every ci rule draw, the plan's own cases)."""
     report = c1(plan)
     assert report.passed, [(c.name, c.detail) for c in report.checks if not c.passed][:5]
+    names = {c.name.split("/")[3] for c in report.checks}
+    assert any(n.startswith("batch_position.") for n in names)
+    assert any(n.startswith("cfgp_mixed_rows.") for n in names) == (plan == "cfgp2")
+    assert any(n.startswith("heads4.") for n in names) == (plan == "ulysses2")
 
 
 @pytest.mark.dist

@@ -284,7 +284,8 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
             report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                           "dtypes": dtypes, "seed": seed, "checkpoint": checkpoint, "fault": fault,
                                           "steps": STEPS, "reference": "fp32 CPU", "graph": graph})
-            return parallel.run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress, graph)
+            return parallel.run_c1_plan(report, models, parsed, device, dtypes, seed, fault, progress, graph,
+                                        cases)
     if fault == "expert-switch-late" and not any(m.cfg.two_experts for m in models):
         raise SetupError("fault expert-switch-late needs a two-expert variant (e.g. tiny-2.2-t2v-a14b)")
     report = Report("wan", "C1", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,

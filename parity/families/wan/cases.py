@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from manifests.solvers import UniPCConfig
 from manifests.wan import WanDiTConfig, WanGenerateRequest, WanModelConfig
-from parity.cases import MATRICES, describe, draws, rule_rng, rules_covered  # noqa: F401 (family surface)
+from parity.cases import MATRICES, cfgp_mixes, describe, draws, rule_rng, rules_covered  # noqa: F401 (family surface)
 from parity.families.wan.common import make_request
 from reference.solvers import flow_schedule
 
@@ -227,3 +227,32 @@ def c1_cases(cfg: WanModelConfig, matrix: str = "ci", seed: int = 0) -> list[Loo
         for d in draws(matrix, full=2):
             out += _c1_draw(cfg, rule, _rng(rule, seed, d), f"{rule}.{d}", d, matrix)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Plan-only rules (parallel.py adds them to a plan run's matrix when the plan has the axis they need)
+# ------------------------------------------------------------------------------------------------
+
+PLAN_RULES = {
+    "cfgp_mixed_rows": "guided and unguided requests in one same-tick batch whose rows (cond, then uncond) the cfgp "
+                       "split cuts inside a branch: some rank runs cond rows of some requests and uncond rows of "
+                       "others, so the gathered predictions must be matched back by branch, not by rank or half",
+}
+
+
+def _cfgp_mixed_rows(cfg: WanModelConfig, cfgp: int, r: random.Random, name: str, draw: int) -> LoopCase:
+    n_guided, n_unguided = r.choice(cfgp_mixes(cfgp))
+    seed = r.randint(100, 10 ** 6)
+    scales = [_guided(r) for _ in range(n_guided)] + [_unguided(r, draw + k) for k in range(n_unguided)]
+    r.shuffle(scales)                 # the unguided requests at drawn positions of the batch
+    reqs = tuple(make_request(cfg, seed + k, g, r.randint(1, cfg.max_sequence_length),
+                              solver=r.choice(("unipc", "euler")), flow_shift=round(r.uniform(1.0, 8.0), 1))
+                 for k, g in enumerate(scales))
+    return LoopCase(f"{name}.g{n_guided}u{n_unguided}", reqs, start_ticks=(0,) * len(reqs),
+                    rules=("cfgp_mixed_rows", "batch_position", "guidance_gt1", "solver"))
+
+
+def cfgp_mixed_rows_cases(cfg: WanModelConfig, cfgp: int, matrix: str = "ci", seed: int = 0) -> list[LoopCase]:
+    """The `cfgp_mixed_rows` draws for a plan with `cfgp` CFG-parallel ranks (ci: one; full: three)."""
+    return [_cfgp_mixed_rows(cfg, cfgp, _rng("cfgp_mixed_rows", seed, d), f"cfgp_mixed_rows.{d}", d)
+            for d in draws(matrix)]

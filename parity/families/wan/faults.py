@@ -13,6 +13,11 @@ Where each is planted (context managers; everything is restored on exit, caches 
     parallel (patched in every rank by the rank's own entry, before the model is parallelized; C1 with --plan)
              optimized.parallel.sp.split_head_groups         ulysses-heads-permuted   (--plan ulysses*)
              CFGParallel.branch_rows                          cfg-branches-swapped     (--plan cfgp2*)
+             CFGParallel.run                                  cfg-rows-halved          (--plan cfgp2*; fails in
+                                                                                         batches mixing guided and
+                                                                                         unguided requests)
+             optimized.parallel.sp.sequence_to_heads          ulysses-heads-interleaved (--plan ulysses*; fails on
+                                                                                         the more-heads variant only)
              optimized.models.wan.parallelize.tp_slice        tp-wrong-slice           (--plan tp*)
              optimized.models.wan.transformer.key_mask_shard  pad-keys-not-masked      (--plan ulysses*; fails in
                                                                                          the sp_padded loop only)
@@ -72,6 +77,11 @@ PARALLEL_FAULT_DECLS = (
     Fault("ring-no-max-shift", "ring SP: each ring partial attention from raw exp sums, without the running max "
           "(C1 with --plan ring2: exp overflows in the sp_ring_large_logits loop only)", "C1",
           "step 0, cond branch, layer blocks.0"),
+    Fault("cfg-rows-halved", "CFG-parallel: the gathered predictions split in half (cond = first half), not by "
+          "branch (C1 with --plan cfgp2: only a batch mixing guided and unguided rows tells)", "C1"),
+    Fault("ulysses-heads-interleaved", "Ulysses SP: the inverse all-to-all lays the heads out interleaved (C1 with "
+          "--plan ulysses2: only a rank holding 2+ heads tells, the plan's more-heads variant)", "C1",
+          "step 0, cond branch, layer blocks.0"),
 )
 FAULT_NAMES = tuple(f.name for f in FAULTS)
 DIT_FAULTS = ("rope-wrong-axis", "perturbed-weight")
@@ -82,7 +92,8 @@ LOOP_FAULTS = ("expert-switch-late",)
 DECODE_FAULTS = ("inverted-latents-std",)
 PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
                        "tp-wrong-slice": "tp", "pad-keys-not-masked": "sp_ulysses",
-                       "ring-no-max-shift": "sp_ring"}   # fault -> its plan axis
+                       "ring-no-max-shift": "sp_ring", "cfg-rows-halved": "cfgp",
+                       "ulysses-heads-interleaved": "sp_ulysses"}   # fault -> its plan axis
 PARALLEL_FAULTS = tuple(PARALLEL_FAULT_AXES)
 
 C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + tuple(VAE_FAULTS)

@@ -1,10 +1,18 @@
 """wan C1 under a parallel plan (`fvparity run wan --level C1 --plan ulysses2`): the plan is checked against the wan
 contract (optimized/models/wan PARALLELISM) before anything runs (a refused plan is a setup error, exit 2), the
-ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank runs c1's loop cases
-(plus, under sequence parallelism, a loop whose token count does not divide ulysses x ring: `padded_case`, and
-under ring SP a loop whose self-attention logits reach hundreds, run on the same weights with the q / k RMS-norm
-scales enlarged: `large_logit_case`, so a ring merge without the running max overflows there)
-through its own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP inside the DiT; the
+ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank runs the plan's case
+matrix (`plan_runs`) through its own engine:
+  * c1's cases of the `--cases` matrix: the anchor loops and the rule draws (cases.py: guidance < 1, an unguided
+    request among guided ones in one same-tick batch, a prompt edit through the warm text cache, the boundary step);
+  * under cfgp, `cfgp_mixed_rows` (cases.py): guided and unguided requests in one batch whose rows the cfgp split
+    cuts inside a branch, so a rank runs cond and uncond rows together;
+  * under sequence parallelism, a loop whose token count does not divide ulysses x ring (`padded_case`);
+  * under ring SP, a loop whose self-attention logits reach hundreds, on the same weights with the q / k RMS-norm
+    scales enlarged (`large_logit_case`), so a ring merge without the running max overflows there;
+  * under Ulysses with fewer than HEADS_PER_RANK heads per rank (every 2-head tiny variant at ulysses2), the first
+    anchor and the padded loop again on the same weights read as a DiT with more, narrower heads
+    (`more_heads_model`), so every rank holds several heads and their order after the all-to-all matters;
+each case's engine parallelized by the family's `parallelize` hook (Ulysses / ring SP inside the DiT; the
 cfgp axis through the CFG-parallel policy; tp through column / row-parallel DiT layers). With tp > 1 every rank
 loads its DiT shards from a canonical checkpoint (`--checkpoint`, or the variant's weights written as one by
 fvconvert into a temporary directory first): only its slices are read (optimized/models/wan/parallelize.py).
@@ -12,10 +20,13 @@ A parallel fault is planted by each rank around its whole run, loading included 
 
 Rows per rank and request: c1's schedule rows, every step's latents and the final latents vs the fp32 reference
 pipeline (the loop tolerance), the engine's SP=N final latents vs the engine in one process (`vs_one_process`), and
-that every rank holds the same latents. Each rank also traces its (parallel) DiT on the reference's own DiT input
-of every step of each case's first request: for the first case every rank's DiT output on those inputs is a row of
-its own vs the reference DiT (C0 under the plan, the C0 DiT tolerance: `.../rankR/dit_stepS`), and the first
-divergent step of any case is localised to the first divergent layer of that trace.
+that every rank holds the same latents (and, for a batch, that some step ran it batched: the scheduler reruns a
+batch whose step raised request by request, so a batched step that cannot run shows there). Each rank also traces
+its (parallel) DiT on the reference's own DiT input of every step of each case's first request: for the first case
+on each set of weights (the variant's, the more-heads model's, the large-logit loop's) every rank's DiT output on
+those inputs is a row of its own vs the reference DiT (C0 under the plan, the C0 DiT tolerance:
+`.../rankR/dit_stepS`), and the first divergent step of any case is localised to the first divergent layer of that
+trace.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import contextlib
 import io
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -31,9 +43,9 @@ import torch
 
 from optimized.parallel.plan import ParallelPlan, ParallelPlanError
 from parity.errors import SetupError
-from parity.families.wan import common, faults
-from parity.families.wan.c1 import (LoopCase, loop_cases, run_engine_case, run_reference, schedule_checks,
-                                    trajectory_checks)
+from manifests import ManifestError
+from parity.families.wan import cases as case_lib, common, faults
+from parity.families.wan.c1 import LoopCase, run_engine_case, run_reference, schedule_checks, trajectory_checks
 from parity.families.wan.common import (DiTInputs, ModelUnderTest, contract_tolerance, engine_for, make_request,
                                         reference_pipeline, run_optimized_dit, run_reference_dit)
 from parity.family import DTYPES
@@ -95,17 +107,62 @@ def large_logit_model(m: ModelUnderTest) -> ModelUnderTest:
     return ModelUnderTest(f"{m.name}+large-logits", m.kind, m.cfg, weights)   # its own weights_version
 
 
-def plan_cases(cfg, plan: ParallelPlan) -> list[LoopCase]:
-    """c1's anchor loops, plus the padded-sequence loop when the plan shards the sequence (ulysses x ring > 1) and
-    the large-logit loop when it runs ring attention (ring > 1)."""
+HEADS_PER_RANK = 2   # the more-heads model's heads on every rank of the plan's head split (ulysses x tp)
+
+
+def more_heads_model(m: ModelUnderTest, plan: ParallelPlan) -> ModelUnderTest | None:
+    """Under Ulysses, `m`'s weights read as a DiT with HEADS_PER_RANK heads on every rank of the head split: heads x k,
+    head_dim / k, so the hidden size (heads x head_dim) and every weight's shape and meaning are unchanged; only
+    the grouping of its channels into heads (and the per-head rope) changes. None without Ulysses, when every rank
+    already holds that many heads, or when the head_dim cannot be split (the new head_dim must stay a valid one)."""
+    split = plan.sp_ulysses * plan.tp
+    if plan.sp_ulysses == 1 or m.cfg.dit.num_heads // split >= HEADS_PER_RANK:
+        return None
+    heads = HEADS_PER_RANK * split
+
+    def regroup(dit):
+        if dit is None:
+            return None
+        if dit.hidden_size % heads:
+            raise ValueError(f"hidden size {dit.hidden_size} is not divisible by {heads} heads")
+        return replace(dit, num_heads=heads, head_dim=dit.hidden_size // heads).validate()
+
+    try:
+        cfg = replace(m.cfg, dit=regroup(m.cfg.dit), dit_2=regroup(m.cfg.dit_2))
+    except (ManifestError, ValueError):
+        return None
+    return ModelUnderTest(f"{m.name}+{heads}heads", m.kind, cfg, m.weights)   # its own weights_version
+
+
+def plan_cases(cfg, plan: ParallelPlan, matrix: str = "ci", seed: int = 0) -> list[LoopCase]:
+    """The plan's cases on the variant's own config: c1's (anchors, then the rule draws of `matrix`), the cfgp
+    mixed-rows batches when cfgp > 1, the padded-sequence loop when the plan shards the sequence (ulysses x ring
+    > 1) and the large-logit loop when it runs ring attention (ring > 1)."""
     n = plan.sp_ulysses * plan.sp_ring
-    return (loop_cases(cfg) + ([padded_case(cfg, n)] if n > 1 else [])
+    return (case_lib.c1_cases(cfg, matrix, seed)
+            + (case_lib.cfgp_mixed_rows_cases(cfg, plan.cfgp, matrix, seed) if plan.cfgp > 1 else [])
+            + ([padded_case(cfg, n)] if n > 1 else [])
             + ([large_logit_case(cfg)] if plan.sp_ring > 1 else []))
 
 
-def case_model(m: ModelUnderTest, case: LoopCase) -> ModelUnderTest:
-    """The weights `case` runs on: the large-logit loop's own, else the variant's."""
-    return large_logit_model(m) if case.name == LARGE_LOGIT_CASE else m
+def heads_cases(cfg, plan: ParallelPlan, heads: int) -> list[LoopCase]:
+    """What the more-heads model runs: the first anchor (the task's own guided request) and the padded loop,
+    named `heads<H>.<case>`."""
+    first = case_lib.anchor_cases(cfg)[0]
+    return [replace(c, name=f"heads{heads}.{c.name}", rules=c.rules + ("sp_heads_per_rank",))
+            for c in (first, padded_case(cfg, plan.sp_ulysses * plan.sp_ring))]
+
+
+def plan_runs(m: ModelUnderTest, plan: ParallelPlan, matrix: str = "ci", seed: int = 0,
+              wanted: Callable[[str], bool] = lambda name: True) -> list[tuple[LoopCase, ModelUnderTest]]:
+    """(case, the weights it runs on) of a plan run on `m`: `plan_cases` on `m` (the large-logit loop on its own
+    weights), then `heads_cases` on `more_heads_model(m)` when there is one; `wanted` selects by case name."""
+    runs = [(c, large_logit_model(m) if c.name == LARGE_LOGIT_CASE else m)
+            for c in plan_cases(m.cfg, plan, matrix, seed)]
+    more = more_heads_model(m, plan)
+    if more is not None:
+        runs += [(c, more) for c in heads_cases(m.cfg, plan, more.cfg.dit.num_heads)]
+    return [(c, cm) for c, cm in runs if wanted(c.name)]
 
 
 def _dit_inputs(pipe, req, ref_run, step: int) -> tuple[int, DiTInputs]:
@@ -206,29 +263,35 @@ def _rank_worker(group, plan_text: str, models: list[ModelUnderTest], seed: int,
 
 
 def run_c1_plan(report: Report, models: list[ModelUnderTest], plan: ParallelPlan, device: str, dtypes: list[str],
-                seed: int, fault: str | None, progress: Callable[[str], None], graph: str = "eager") -> Report:
+                seed: int, fault: str | None, progress: Callable[[str], None], graph: str = "eager",
+                cases: str = "ci", wanted: Callable[[str], bool] = lambda name: True) -> Report:
+    """`cases`: the case matrix (ci / full); `wanted`: which cases run, by name (every one by default)."""
     report.settings["plan"] = plan.name()
+    report.settings["cases"] = cases
     with tempfile.TemporaryDirectory(prefix="fvparity-tp-") as tmp:
         for m in models:
             checkpoint = report.settings.get("checkpoint")
             if plan.tp > 1 and not checkpoint:
                 progress(f"[wan C1] {m.name}: writing the weights as a canonical checkpoint for the tp ranks")
                 checkpoint = str(write_model_dir(m, Path(tmp) / m.name))
-            _run_model(report, m, plan, device, dtypes, seed, fault, progress, checkpoint, graph)
+            _run_model(report, m, plan, device, dtypes, seed, fault, progress, checkpoint, graph, cases, wanted)
     return report
 
 
 def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: str, dtypes: list[str], seed: int,
                fault: str | None, progress: Callable[[str], None], checkpoint: str | None,
-               graph: str = "eager") -> None:
+               graph: str = "eager", matrix: str = "ci", wanted: Callable[[str], bool] = lambda name: True) -> None:
     from optimized.parallel.launch import run_ranks
 
-    cases = plan_cases(m.cfg, plan)
-    models = [case_model(m, case) for case in cases]
+    pairs = plan_runs(m, plan, matrix, seed, wanted)
+    if not pairs:
+        return
+    cases, models = [c for c, _ in pairs], [cm for _, cm in pairs]
+    first_on = [c for c, cm in enumerate(models) if all(cm is not x for x in models[:c])]   # first case per weights
     # the checkpoint holds the variant's weights: a case on other weights cuts its tp shards from them instead
     checkpoints = [checkpoint if cm is m else None for cm in models]
-    base = reference_pipeline(m)
-    pipes = [base if cm is m else reference_pipeline(cm) for cm in models]
+    pipe_of = {id(models[c]): reference_pipeline(models[c]) for c in first_on}
+    pipes = [pipe_of[id(cm)] for cm in models]
     ref_runs = [[run_reference(pipe, req) for req in case.requests] for case, pipe in zip(cases, pipes)]
     probes = [[_dit_inputs(pipe, case.requests[0], runs[0], s) for s in range(len(runs[0].trajectory))]
               for case, runs, pipe in zip(cases, ref_runs, pipes)]
@@ -263,20 +326,25 @@ def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: st
                         report.checks.append(graph_kinds_check(f"{p}/graph_{graph}", graph,
                                                                eng_run.extra.get("graphs", []),
                                                                rank[c][0][0].extra.get("dynamo")))
+                    if len(case.requests) > 1 and case.batched:  # the batch a mixed-rows case exists for
+                        sizes = eng_run.extra["batch_sizes"]
+                        report.checks.append(CheckResult(f"{p}/batched_with_others", max(sizes, default=0) > 1,
+                                                         detail=f"batch size per step {sizes}"))
                 lat = [rank[c][0][k].latents for rank in ranks]
                 agree = all(x is not None and torch.equal(x, lat[0]) for x in lat)
                 report.checks.append(CheckResult(
                     f"{prefix}" + (f"/req{k}" if len(case.requests) > 1 else "") + "/ranks_agree", agree,
                     detail=f"final latents bitwise equal on all {len(ranks)} ranks" if agree else
                     "the ranks hold different final latents"))
-        report.checks += _dit_checks(f"{m.name}/{dname}/{plan.name()}/{cases[0].name}", pipes[0], probes[0],
-                                     [rank[0][1] for rank in ranks], step_tol)
+        for c in first_on:
+            report.checks += _dit_checks(f"{m.name}/{dname}/{plan.name()}/{cases[c].name}", pipes[c], probes[c],
+                                         [rank[c][1] for rank in ranks], step_tol)
 
 
 def _dit_checks(prefix: str, pipe, probes: list[tuple[int, DiTInputs]], rank_traces: list[list[dict]],
                 tol) -> list[CheckResult]:
     """C0 under the plan: every rank's parallel DiT output on the reference's own cond-branch input of every step of
-    the first case vs the reference DiT on that input (the C0 DiT tolerance)."""
+    one case (the first on each set of weights) vs the reference DiT on that input (the C0 DiT tolerance)."""
     out = []
     for step, (expert, x) in enumerate(probes):
         want: dict = {}
