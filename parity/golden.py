@@ -112,15 +112,34 @@ def run_probe(probe, case: GoldenCase, sides: tuple[str, ...]) -> list[CheckResu
     return checks
 
 
+def case_dirs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(case folders, paths skipped). Several paths (a shell glob such as golden/seedvr2/*) may hold files and
+    folders that are not cases (no case.json): they are skipped; one path given alone must be a case, and a path
+    that does not exist is never skipped (a typo, not a glob)."""
+    if len(paths) == 1:
+        return list(paths), []
+    skipped = [p for p in paths if p.exists() and not (p / "case.json").is_file()]
+    cases = [p for p in paths if p not in skipped]
+    if not cases:
+        raise SetupError(f"no golden case among {len(paths)} paths (a case folder holds case.json): "
+                         f"{', '.join(map(str, paths))}")
+    return cases, skipped
+
+
 def run_golden_cases(paths: list[Path], sides: tuple[str, ...], progress: Callable[[str], None]) -> Report:
     from parity.families import golden_probes
 
     probes = golden_probes()  # derived from every family's FAMILY entry
+    paths, skipped = case_dirs(paths)
+    if skipped:
+        progress(f"[golden] skipped {len(skipped)} path(s) that are not case folders (no case.json): "
+                 f"{', '.join(map(str, skipped))}")
     cases = [load_case(p) for p in paths]  # validate every case before running any
     for c in cases:
         if c.meta["probe"] not in probes:
             raise SetupError(f"golden case {c.path}: unknown probe {c.meta['probe']!r}; known: {', '.join(probes)}")
-    report = Report("golden", "upstream", {"cases": [str(p) for p in paths], "sides": list(sides)})
+    report = Report("golden", "upstream", {"cases": [str(p) for p in paths], "sides": list(sides),
+                                           **({"skipped": [str(p) for p in skipped]} if skipped else {})})
     for c in cases:
         progress(f"[golden] {c.name} ({c.meta['probe']}, {c.meta['upstream'].get('package')} "
                  f"{c.meta['upstream'].get('version')})")

@@ -127,3 +127,27 @@ def test_new_case_from_config_json_passes(fvparity, tmp_path):
     assert made.returncode == 0, made.stdout + made.stderr
     proc = fvparity("golden", str(tmp_path / "cases" / "fresh"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_glob_skips_paths_that_are_not_cases_and_names_them(fvparity, tmp_path):
+    """`fvparity golden golden/seedvr2/*` also matches README.md, make_cases.py and key lists: skipped, named."""
+    shutil.copytree(ROOT / "golden" / "cosmos3_sound" / "tiny_sound_decode", tmp_path / "tiny_sound_decode")
+    (tmp_path / "README.md").write_text("# cases\n")
+    (tmp_path / "make_cases.py").write_text("print('recipe')\n")
+    (tmp_path / "scratch").mkdir()  # a folder without case.json
+    proc = fvparity("golden", *sorted(map(str, tmp_path.iterdir())))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    skipped = next(line for line in proc.stderr.splitlines() if "not case folders" in line)
+    assert all(name in skipped for name in ("README.md", "make_cases.py", "scratch")), skipped
+    assert "tiny_sound_decode" not in skipped and "tiny_sound_decode/optimized:audio" in proc.stdout
+
+
+@pytest.mark.parametrize("given, needle", [(("scratch",), "missing case.json"),
+                                           (("README.md",), "not a directory"),
+                                           (("README.md", "scratch"), "no golden case among 2 paths")])
+def test_a_path_alone_or_only_non_cases_is_still_an_error(fvparity, tmp_path, given, needle):
+    (tmp_path / "README.md").write_text("# cases\n")
+    (tmp_path / "scratch").mkdir()
+    proc = fvparity("golden", *(str(tmp_path / g) for g in given))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("fvparity: error:") and needle in proc.stderr
