@@ -170,6 +170,7 @@ def test_content_racing_delete_is_200_404_or_409_never_500(wan):
 
 
 # ------------------------------------------------------------------------------------------------ durability (F7 / F8)
+@pytest.mark.slow   # a server of its own (> 20 s on a shared CPU)
 def test_a_restart_after_kill9_loses_no_completed_video(tmp_path):
     s = Server(tmp_path, "wan", "--variant", "tiny")
     try:
@@ -196,6 +197,7 @@ def test_a_restart_after_kill9_loses_no_completed_video(tmp_path):
         s.stop()
 
 
+@pytest.mark.slow   # a server of its own (> 20 s on a shared CPU)
 def test_retention_evicts_the_oldest_videos_with_their_files(tmp_path):
     s = Server(tmp_path, "wan", "--variant", "tiny", "--keep-videos", "2")
     try:
@@ -230,6 +232,7 @@ def test_video_store_evicts_by_bytes_and_age(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ shutdown (F11)
+@pytest.mark.slow   # a server of its own (> 20 s on a shared CPU)
 def test_sigterm_with_an_sse_client_connected_cancels_and_exits(tmp_path):
     s = Server(tmp_path, "wan", "--variant", "tiny")
     vid = s.client.post("/v1/videos", json=LONG).json()["id"]
@@ -264,6 +267,7 @@ def test_sigterm_with_an_sse_client_connected_cancels_and_exits(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ API keys
+@pytest.mark.slow   # a server of its own (> 20 s on a shared CPU)
 def test_api_key_is_required_on_v1_when_set(tmp_path):
     s = Server(tmp_path, "wan", "--variant", "tiny", env={"FVGEN_API_KEY": "s3cret"})
     try:
@@ -288,25 +292,33 @@ def test_binding_beyond_loopback_without_a_key_warns():
 
 
 # ------------------------------------------------------------------------------------------------ setup errors (F17)
-def run_server(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "optimized.serving.server", "wan", "--variant", "tiny", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-
-def test_setup_errors_exit_2_with_one_message(tmp_path):
+def test_setup_errors_exit_2_with_one_message(tmp_path, capsys):
+    """Checked before the model loads (in-process: main returns 2, argparse exits 2), one message each."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
+    base = ["wan", "--variant", "tiny", "--output-dir", str(tmp_path / "v")]
     try:
-        cases = {"port -1": ["--port", "-1"], "max-queue 0": ["--max-queue", "0"],
-                 "device tpu": ["--device", "tpu", "--output-dir", str(tmp_path / "v")],
-                 "unwritable output dir": ["--output-dir", str(blocker / "videos"), "--port", "0"],
-                 "port in use": ["--port", str(busy.getsockname()[1]), "--output-dir", str(tmp_path / "v")]}
-        for what, args in cases.items():
-            r = run_server(*args)
-            assert r.returncode == 2, (what, r.returncode, r.stderr[-2000:])
-            assert "Traceback" not in r.stderr and "error" in r.stderr, (what, r.stderr[-2000:])
+        for what, args in {"port -1": ["--port", "-1"], "port 70000": ["--port", "70000"],
+                           "max-queue 0": ["--max-queue", "0"]}.items():
+            with pytest.raises(SystemExit) as e:
+                server.main(base + args)
+            assert e.value.code == 2, what
+            assert "error:" in capsys.readouterr().err, what
+        for what, args in {"device tpu": ["--device", "tpu"],
+                           "unwritable output dir": ["--output-dir", str(blocker / "videos")],
+                           "port in use": ["--port", str(busy.getsockname()[1])],
+                           "empty api key": ["--api-key", " "]}.items():
+            assert server.main(base + args) == 2, what
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and err.count("\n") == 1, (what, err)
     finally:
         busy.close()
+
+
+def test_the_server_command_exits_2_on_a_setup_error():
+    r = subprocess.run([sys.executable, "-m", "optimized.serving.server", "wan", "--variant", "tiny", "--port", "-1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--port" in r.stderr, r.stderr[-2000:]
