@@ -110,6 +110,11 @@ CASES: dict[str, dict[str, Any]] = {
                          description="two experts, guidance 1.0 with guidance_2 4.0: upstream decides CFG by "
                                      "guidance_scale alone (`guidance_scale > 1`), so no step runs an uncond pass, "
                                      "not even expert 2's (t 999, 900 | 750, 500)"),
+    "pipe_a14b_g05": dict(variant="tiny-2.2-t2v-a14b", weights_seed=9103, seed=9113, solver="euler", flow_shift=5.0,
+                          num_frames=5, height=32, width=32, steps=3, guidance=0.5, guidance_2=3.0, text_len=6,
+                          negative_len=4,
+                          description="two experts, FlowMatch Euler shift 5, guidance 0.5 with guidance_2 3.0: no "
+                                      "CFG on either expert (`guidance_scale > 1` decides), cond only on both"),
 }
 
 
