@@ -214,25 +214,30 @@ def golden_cmd(case_dirs, side, json_path) -> None:
 @click.option("--only", "only", multiple=True, help="Run only this mutation (repeatable; names from --list).")
 @click.option("--category", "categories", multiple=True, help="Run only mutations of this category (repeatable).")
 @click.option("--check", "check_names", multiple=True,
-              help="Run only this check (repeatable): run:C0 .. run:C4 or golden. Default: every implemented "
-                   "level and the family's golden cases.")
+              help="Run only this check (repeatable): run:C0 .. run:C4, a plan the family declares (e.g. "
+                   "run:C1@cfgp2) or golden. Default: every implemented level, those plans and the golden cases.")
 @click.option("--min-score", type=click.FloatRange(0, 100), default=None,
               help="Exit 1 when the mutation score (percent) is below this. Default: report only (exit 0).")
 @click.option("--timeout", type=click.IntRange(10, 24 * 3600), default=1800, show_default=True,
               help="Seconds one check may run on one mutation (a hang counts as crashed).")
+@click.option("--stop-at-first", is_flag=True,
+              help="Stop each mutation at its first failing check (faster; the redundancy report then counts only "
+                   "the checks that ran). Default: every check on every mutation.")
 @click.option("--no-baseline", is_flag=True, help="Skip checking the clean tree first (checks then run in "
                                                   "declaration order and none is left out).")
 @click.option("--list", "list_only", is_flag=True, help="Print the catalogue and exit.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write every outcome (checks, baseline, score) as JSON to this path.")
-def mutate_cmd(family, jobs, only, categories, check_names, min_score, timeout, no_baseline, list_only,
-               json_path) -> None:
+def mutate_cmd(family, jobs, only, categories, check_names, min_score, timeout, stop_at_first, no_baseline,
+               list_only, json_path) -> None:
     """Plant each catalogued porting bug of FAMILY (parity/mutations/FAMILY.json) in a scratch copy, run the
     family's `fvparity run` levels and goldens against it, and report the mutation score = caught / valid.
 
     \b
     caught   a check failed (crashed: it exited 2/3 or timed out; counted as caught, shown apart)
     survived every check passed        invalid  the edit did not apply or broke import (not counted)
+    The redundancy report says, per caught mutation, how many checks and levels caught it, and lists the
+    mutations caught by one check only (--json: "redundancy").
     The working tree is never modified. Exit 0, or 1 when --min-score is given and not met; 2 usage / setup.
     """
     from parity import mutate
@@ -249,13 +254,15 @@ def mutate_cmd(family, jobs, only, categories, check_names, min_score, timeout, 
         get_family(family)
         selected = mutate.select(mutations, tuple(only), tuple(categories))
         run = mutate.run_mutations(family, selected, jobs=jobs, timeout=timeout, check_names=tuple(check_names),
-                                   baseline=not no_baseline, progress=lambda msg: click.echo(msg, err=True))
+                                   baseline=not no_baseline, stop_at_first=stop_at_first,
+                                   progress=lambda msg: click.echo(msg, err=True))
     except SetupError as e:
         _fail_setup(str(e))
     click.echo(run.table())
     if run.dropped_checks:
         click.echo(f"left out (failing on the clean tree): {', '.join(run.dropped_checks)}")
     click.echo(run.summary())
+    click.echo(run.redundancy_summary())
     if json_path:
         mutate.write_json(run, json_path)
         click.echo(f"wrote {json_path}")

@@ -8,6 +8,7 @@ tests/test_parity_registry.py) are read from these entries, never from a hand-wr
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Protocol
@@ -85,6 +86,9 @@ class ParityFamily:
     check_converted: PostCheck | None = None         # fvconvert's post-conversion check (C0 on converted weights)
     supports_world_size: bool = False                # `--world-size` (a sequence-parallel plan) applies
     component_post_checks: Mapping[str, PostCheck] = field(default_factory=dict)  # "<family>.<component>" -> check
+    # (level, plan) runs `fvparity mutate` adds to the levels (`run:C1@cfgp2`): the parallel code paths run only
+    # under a plan, so a sweep without them can never catch a bug there
+    mutate_plans: tuple[tuple[str, str], ...] = ()
 
     def run(self, level: str, progress: Callable[[str], None], **kw) -> Report:
         """Run an implemented level. Everything the runner executes is inside its checks: a level's own cases
@@ -157,6 +161,10 @@ class ParityFamily:
         for ep, fn in self.component_post_checks.items():
             if not ep.startswith(f"{self.name}.") or not callable(fn):
                 problems.append(f"component post-check {ep!r} must be named '{self.name}.<component>' and callable")
+        for level, plan in self.mutate_plans:
+            runner = self.levels.get(level)
+            if runner is None or "plan" not in inspect.signature(runner).parameters or not plan:
+                problems.append(f"mutate plan ({level!r}, {plan!r}): the level must be implemented and take --plan")
         if problems:
             raise FamilyError(f"{where}: " + "; ".join(problems))
         return self

@@ -10,7 +10,7 @@ fp32 otherwise) and `fvparity golden` on the family's golden cases. Unit tests a
 
 Outcome of a mutation:
   caught    a check failed (exit 1): the first failing check is reported
-  crashed   a check exited 2 / 3 / timed out / died: counted as caught, reported separately
+  crashed   no check failed, but one exited 2 / 3 / timed out / died: counted as caught, reported separately
   survived  every check passed (exit 0)
   invalid   the edit did not apply (`find` not exactly once) or the mutated tree does not import: not counted
   control   an entry marked `"control": true` (a deliberately harmless edit): it must survive; a control that is
@@ -19,8 +19,11 @@ Mutation score = (caught + crashed) / (caught + crashed + survived). (The import
 a mutation is never charged for an import probe it does not need.)
 
 Before the mutations, the clean snapshot is checked once (the baseline); a check that fails on the clean tree
-cannot measure anything and is left out (reported). Checks then run cheapest first (baseline seconds) and a
-mutation stops at its first failing check.
+cannot measure anything and is left out (reported). Checks then run cheapest first (baseline seconds), every
+check on every mutation, so that the redundancy report can say what caught each one: every failing check inside
+each level (names from --json), how many levels / golden cases, and which mutations hang on one check only (a
+catch that one edited check would lose). `--stop-at-first` stops each mutation at its first failing check
+(faster; the redundancy counts then cover only the checks that ran, and the report says so).
 """
 
 from __future__ import annotations
@@ -186,13 +189,16 @@ class Check:
 
 
 def family_checks(family: str, root: Path = ROOT) -> list[Check]:
-    """Every implemented `fvparity run` level (default variants and dtypes) and `fvparity golden` over the
-    family's golden cases (a case belongs to the family whose entry owns its probe)."""
+    """Every implemented `fvparity run` level (default variants and dtypes), the parallel plans the family asks
+    the sweep to run (`run:C1@cfgp2`: its `mutate_plans`), and `fvparity golden` over the family's golden cases (a
+    case belongs to the family whose entry owns its probe)."""
     from parity.families import get_family
     from parity.family import LEVELS
 
     fam = get_family(family)
     checks = [Check(f"run:{lv}", ("run", family, "--level", lv)) for lv in LEVELS if lv in fam.levels]
+    checks += [Check(f"run:{lv}@{plan}", ("run", family, "--level", lv, "--plan", plan))
+               for lv, plan in fam.mutate_plans]
     cases = []
     for case_json in sorted((root / "golden").glob("**/case.json")):
         try:
@@ -292,6 +298,37 @@ class Outcome:
     def counted(self) -> bool:
         return self.status in ("caught", "crashed", "survived")
 
+    @property
+    def caught_by(self) -> Redundancy:
+        return redundancy(self.checks)
+
+
+@dataclass(frozen=True)
+class Redundancy:
+    """What caught one mutation: every failing check (qualified by the level that ran it), the levels that failed
+    and the golden cases among them. A level that crashed without a report counts as one check, named by status."""
+    checks: tuple[str, ...]        # "run:C1 tiny/fp32/t2v/step3", "golden gen_t2v/optimized:vision", "run:C2 (exit 3)"
+    levels: tuple[str, ...]        # "run:C1", "golden", "run:C1@cfgp2"
+    golden_cases: tuple[str, ...]  # the case folders whose checks failed
+
+    def to_dict(self) -> dict:
+        return {"n_checks": len(self.checks), "n_levels": len(self.levels), "n_golden_cases": len(self.golden_cases),
+                "levels": list(self.levels), "golden_cases": list(self.golden_cases), "checks": list(self.checks)}
+
+
+def redundancy(check_runs: list[dict]) -> Redundancy:
+    """From a mutation's CheckRun records (asdict + status): who failed."""
+    checks, levels, cases = [], [], []
+    for run in check_runs:
+        if run["rc"] == 0:
+            continue
+        levels.append(run["check"])
+        inner = run.get("failed") or [f"({run['status']})"]
+        checks += [f"{run['check']} {name}" for name in inner]
+        if run["check"].startswith("golden"):
+            cases += [name.split("/")[0] for name in run.get("failed") or []]
+    return Redundancy(tuple(checks), tuple(levels), tuple(dict.fromkeys(cases)))
+
 
 def snapshot(dest: Path, root: Path = ROOT) -> Path:
     """Copy what the checks need (package folders, golden/, pyproject.toml) into `dest`; never the .venv or .git."""
@@ -306,8 +343,10 @@ def snapshot(dest: Path, root: Path = ROOT) -> Path:
     return dest
 
 
-def run_mutation(tree: Path, m: Mutation, checks: list[Check], timeout: float) -> Outcome:
-    """Apply `m` to `tree` (a private copy), run the checks until one fails, restore the tree."""
+def run_mutation(tree: Path, m: Mutation, checks: list[Check], timeout: float, stop_at_first: bool = False
+                 ) -> Outcome:
+    """Apply `m` to `tree` (a private copy), run every check (or until one fails: `stop_at_first`), restore the
+    tree."""
     base = Outcome(m.name, m.side, m.category, m.why, status="invalid")
     start = time.monotonic()
 
@@ -323,22 +362,24 @@ def run_mutation(tree: Path, m: Mutation, checks: list[Check], timeout: float) -
     try:
         for rel, text in mutated.items():
             (tree / rel).write_text(text)
-        status = "survived"
+        status, import_checked = "survived", False
         for check in checks:
             run = run_check(tree, check, timeout)
             base.checks.append(asdict(run) | {"status": run.status})
             if run.rc == 0:
                 continue
-            if run.rc != 1:  # a crash: a mutation that breaks import is invalid, not caught
-                problem = import_problem(tree)
+            if run.rc != 1 and not import_checked:  # a crash: a mutation that breaks import is invalid, not caught
+                problem, import_checked = import_problem(tree), True
                 if problem:
                     base.detail = f"breaks import: {problem}"
                     return base
-            status = "caught" if run.rc == 1 else "crashed"
-            base.first_failure = f"{check.name} {run.failed[0]}" if run.failed else f"{check.name} ({run.status})"
-            if status == "crashed":
-                base.detail = run.tail.splitlines()[-1] if run.tail else ""
-            break
+            if status != "caught":  # a parity failure (exit 1) anywhere makes it caught, else crashed
+                status = "caught" if run.rc == 1 else "crashed"
+                base.first_failure = f"{check.name} {run.failed[0]}" if run.failed else \
+                    f"{check.name} ({run.status})"
+                base.detail = run.tail.splitlines()[-1] if status == "crashed" and run.tail else ""
+            if stop_at_first:
+                break
         if m.control:
             status = "control-ok" if status == "survived" else "false-alarm"
         base.status = status
@@ -356,6 +397,7 @@ class MutationRun:
     baseline: list[dict]
     dropped_checks: list[str]
     checks: list[str]
+    redundancy_complete: bool = True     # every check ran on every mutation (not --stop-at-first)
 
     def count(self, *statuses: str) -> int:
         return sum(o.status in statuses for o in self.outcomes)
@@ -378,10 +420,41 @@ class MutationRun:
     def table(self) -> str:
         from tabulate import tabulate
 
-        rows = [[o.name, o.side, o.category, o.status, o.first_failure or o.detail, f"{o.seconds:.0f}s"]
-                for o in self.outcomes]
-        return tabulate(rows, headers=["mutation", "side", "category", "result", "first failing check / detail",
-                                       "time"], tablefmt="simple")
+        rows = []
+        for o in self.outcomes:
+            by = o.caught_by
+            rows.append([o.name, o.side, o.category, o.status, f"{len(by.checks)} / {len(by.levels)}" if by.levels
+                         else "-", o.first_failure or o.detail, f"{o.seconds:.0f}s"])
+        return tabulate(rows, headers=["mutation", "side", "category", "result", "caught by checks / levels",
+                                       "first failing check / detail", "time"], tablefmt="simple")
+
+    def caught(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status in ("caught", "crashed")]
+
+    def redundancy(self) -> dict:
+        """Per caught mutation, how many checks and levels caught it; the ones that hang on one check or level."""
+        by = {o.name: o.caught_by for o in self.caught()}
+        return {"complete": self.redundancy_complete,
+                "caught_by_one_check": sorted(n for n, r in by.items() if len(r.checks) == 1),
+                "caught_by_one_level": sorted(n for n, r in by.items() if len(r.levels) == 1),
+                "per_mutation": {n: r.to_dict() for n, r in by.items()}}
+
+    def redundancy_summary(self) -> str:
+        red = self.redundancy()
+        by = {o.name: o.caught_by for o in self.caught()}
+        if not by:
+            return "redundancy: no caught mutation"
+        counts = sorted(len(r.checks) for r in by.values())
+        lines = [f"redundancy: {len(by)} caught mutation(s), failing checks per mutation min {counts[0]}, median "
+                 f"{counts[len(counts) // 2]}, max {counts[-1]}"
+                 + ("" if red["complete"] else " (--stop-at-first: only the checks that ran)")]
+        one_check = red["caught_by_one_check"]
+        lines.append(f"  caught by one check only ({len(one_check)}): "
+                     + (", ".join(f"{n} ({by[n].checks[0]})" for n in one_check) or "none"))
+        one_level = [n for n in red["caught_by_one_level"] if n not in one_check]
+        lines.append(f"  caught by several checks of one level only ({len(one_level)}): "
+                     + (", ".join(f"{n} ({by[n].levels[0]}: {len(by[n].checks)})" for n in one_level) or "none"))
+        return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"family": self.family, "score": self.score, "caught": self.count("caught"),
@@ -389,7 +462,9 @@ class MutationRun:
                 "invalid": self.count("invalid"), "controls_ok": self.count("control-ok"),
                 "false_alarms": self.count("false-alarm"), "valid": self.valid, "checks": self.checks,
                 "dropped_checks": self.dropped_checks, "baseline": self.baseline,
-                "mutations": [asdict(o) for o in self.outcomes]}
+                "redundancy": self.redundancy(),
+                "mutations": [asdict(o) | ({"caught_by": o.caught_by.to_dict()} if o.status in ("caught", "crashed")
+                                           else {}) for o in self.outcomes]}
 
 
 def select(mutations: list[Mutation], only: tuple[str, ...] = (), categories: tuple[str, ...] = ()) -> list[Mutation]:
@@ -407,9 +482,11 @@ def select(mutations: list[Mutation], only: tuple[str, ...] = (), categories: tu
 
 
 def run_mutations(family: str, mutations: list[Mutation], *, jobs: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
-                  check_names: tuple[str, ...] = (), baseline: bool = True, root: Path = ROOT,
-                  scratch: Path | None = None, progress: Callable[[str], None] = lambda s: None) -> MutationRun:
-    """Snapshot `root`, check the clean snapshot (baseline), then each mutation in its own worker copy."""
+                  check_names: tuple[str, ...] = (), baseline: bool = True, stop_at_first: bool = False,
+                  root: Path = ROOT, scratch: Path | None = None,
+                  progress: Callable[[str], None] = lambda s: None) -> MutationRun:
+    """Snapshot `root`, check the clean snapshot (baseline), then each mutation in its own worker copy (every
+    check, or up to its first failing one: `stop_at_first`)."""
     checks = family_checks(family, root)
     if check_names:
         unknown = [c for c in check_names if c not in {k.name for k in checks}]
@@ -450,19 +527,21 @@ def run_mutations(family: str, mutations: list[Mutation], *, jobs: int = 1, time
         def one(m: Mutation) -> Outcome:
             tree = workers.get()
             try:
-                o = run_mutation(tree, m, checks, timeout)
+                o = run_mutation(tree, m, checks, timeout, stop_at_first)
             finally:
                 workers.put(tree)
             with lock:
                 done[0] += 1
+                n_by = len(o.caught_by.checks)
                 progress(f"[mutate {family}] {done[0]}/{len(mutations)} {m.name}: {o.status}"
                          f"{' by ' + o.first_failure if o.first_failure else ''}"
+                         f"{f' (+{n_by - 1} more)' if n_by > 1 else ''}"
                          f"{' (' + o.detail + ')' if o.detail and not o.first_failure else ''} [{o.seconds:.0f}s]")
             return o
 
         with ThreadPoolExecutor(jobs) as pool:
             outcomes = list(pool.map(one, mutations))
-        return MutationRun(family, outcomes, baseline_runs, dropped, [k.name for k in checks])
+        return MutationRun(family, outcomes, baseline_runs, dropped, [k.name for k in checks], not stop_at_first)
     finally:
         if own_scratch:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -137,3 +137,85 @@ def test_cosmos3_ci_subset_through_the_runner(tmp_path):
     assert "cosmos3 mutation score: 100.0% = 3 caught / 3 valid" in run.summary()
     doc = run.to_dict()
     assert doc["score"] == 1.0 and len(doc["mutations"]) == 4 and doc["baseline"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The redundancy report: what caught each mutation
+# ------------------------------------------------------------------------------------------------
+
+def _check_run(check: str, rc: int | None, failed: list[str] = ()) -> dict:
+    run = mutate.CheckRun(check, rc, 1.0, list(failed))
+    return {**vars(run), "status": run.status}
+
+
+def test_redundancy_counts_checks_levels_and_lists_single_check_catches():
+    """A synthetic sweep: one mutation caught by three checks over two levels (two golden cases), one caught by a
+    single check, one by two checks of one level, one only by a crash (no report); a survivor counts nowhere."""
+    outcomes = [
+        mutate.Outcome("wide", "optimized", "model math", "why", "caught", checks=[
+            _check_run("run:C0", 1, ["tiny/fp32/forward"]), _check_run("run:C1", 0),
+            _check_run("golden", 1, ["case_a/optimized:audio", "case_b/optimized:audio"])]),
+        mutate.Outcome("narrow", "optimized", "caches", "why", "caught", checks=[
+            _check_run("run:C0", 0), _check_run("run:C1", 1, ["tiny/fp32/t2v/step3"]), _check_run("golden", 0)]),
+        mutate.Outcome("one-level", "reference", "VAE", "why", "caught", checks=[
+            _check_run("run:C0", 1, ["tiny/fp32/a", "tiny/bf16/a"]), _check_run("golden", 0)]),
+        mutate.Outcome("crash", "optimized", "SP layout", "why", "crashed", checks=[_check_run("run:C1", None)]),
+        mutate.Outcome("survivor", "optimized", "CFG", "why", "survived", checks=[_check_run("run:C0", 0)]),
+    ]
+    run = mutate.MutationRun("toy", outcomes, [], [], ["run:C0", "run:C1", "golden"])
+    red = run.to_dict()["redundancy"]
+    assert red["complete"] is True
+    assert red["caught_by_one_check"] == ["crash", "narrow"]
+    assert red["caught_by_one_level"] == ["crash", "narrow", "one-level"]
+    wide = red["per_mutation"]["wide"]
+    assert (wide["n_checks"], wide["n_levels"], wide["n_golden_cases"]) == (3, 2, 2)
+    assert wide["levels"] == ["run:C0", "golden"] and wide["golden_cases"] == ["case_a", "case_b"]
+    assert red["per_mutation"]["narrow"]["checks"] == ["run:C1 tiny/fp32/t2v/step3"]
+    assert red["per_mutation"]["crash"]["checks"] == ["run:C1 (timeout)"]
+    assert "survivor" not in red["per_mutation"]
+    doc = {m["name"]: m for m in run.to_dict()["mutations"]}
+    assert doc["wide"]["caught_by"]["n_checks"] == 3 and "caught_by" not in doc["survivor"]
+    text = run.redundancy_summary()
+    assert "caught by one check only (2): crash (run:C1 (timeout)), narrow (run:C1 tiny/fp32/t2v/step3)" in text
+    assert "one-level (run:C0: 2)" in text and "wide" not in text
+    table = run.table()
+    assert any(line.startswith("wide") and " 3 / 2 " in line for line in table.splitlines())
+
+
+@pytest.mark.slow
+def test_runner_runs_every_check_and_counts_what_caught_it(tmp_path):
+    """Real checks on the cosmos3-sound decoder (C0 in fp32 and one golden case): a mutation of the decoder's
+    activation fails both levels, so it is caught by several checks in two levels (not only its first failure);
+    --stop-at-first stops after the first level."""
+    muts = _by_name("cosmos3-sound")
+    tree = mutate.snapshot(tmp_path / "tree")
+    checks = [mutate.Check("run:C0", ("run", "cosmos3-sound", "--level", "C0", "--dtype", "fp32")),
+              mutate.Check("golden", ("golden", "golden/cosmos3_sound/tiny_sound_decode"))]
+    out = mutate.run_mutation(tree, muts["opt-snake-sin-not-squared"], checks, timeout=600)
+    assert out.status == "caught", (out.status, out.detail, out.checks)
+    by = out.caught_by
+    assert by.levels == ("run:C0", "golden") and by.golden_cases == ("tiny_sound_decode",), by
+    assert len(by.checks) >= 4 and "golden tiny_sound_decode/optimized:audio" in by.checks, by
+    assert out.first_failure == by.checks[0]
+    first = mutate.run_mutation(tree, muts["opt-snake-sin-not-squared"], checks, timeout=600, stop_at_first=True)
+    assert first.status == "caught" and first.caught_by.levels == ("run:C0",)
+
+
+def test_family_plans_are_sweep_checks_and_must_take_a_plan(monkeypatch):
+    from parity import families as registry
+    from parity.family import FamilyError, ParityFamily
+
+    def with_plan(variants, checkpoint, device, dtypes, seed, fault, progress, plan=None):
+        raise AssertionError("not run")
+
+    def without_plan(variants, checkpoint, device, dtypes, seed, fault, progress):
+        raise AssertionError("not run")
+
+    toy = ParityFamily(name="toy", description="toy", levels={"C0": without_plan, "C1": with_plan},
+                       variants=lambda: ["v"], default_variants=("v",), mutate_plans=(("C1", "cfgp2"),)).validate()
+    monkeypatch.setattr(registry, "get_family", lambda name: toy)
+    names = {c.name: c.argv for c in mutate.family_checks("toy")}
+    assert names["run:C1@cfgp2"] == ("run", "toy", "--level", "C1", "--plan", "cfgp2") and "run:C0" in names
+    with pytest.raises(FamilyError, match=r"mutate plan \('C0', 'ulysses2'\)"):
+        ParityFamily(name="toy", description="toy", levels={"C0": without_plan}, variants=lambda: ["v"],
+                     default_variants=("v",), mutate_plans=(("C0", "ulysses2"),)).validate()
