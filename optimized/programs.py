@@ -315,8 +315,8 @@ class VideoProgram:
     def cancel(self) -> None:
         """Stops at the current stage's next step boundary; no later stage is submitted."""
         self._cancel = True
-        if self.stage_request is not None and self.status not in TERMINAL:
-            self.engine.scheduler.cancel(self.stage_request)
+        if self.stage_request in self.engine.scheduler.records and self.status not in TERMINAL:
+            self.engine.scheduler.cancel(self.stage_request)   # a finished stage's record is already forgotten
 
     def result(self, max_ticks: int = 10_000_000) -> VideoResult:
         """Drive the engine until this program ends (sync engines only: an AsyncEngine's driver thread owns the
@@ -381,9 +381,13 @@ def generate_video(engine: "Engine", request: Any, out: Any = None, *, image: An
 
 
 # ---------------------------------------------------------------------------------------------- artifacts on disk
-def check_out_path(out: Any) -> _Path:
-    """Refuse an output the writers cannot produce, before any compute: an existing target, or an MP4 without the
-    optional `video` extra."""
+def check_out_path(out: Any, *, not_inside: Any = None) -> _Path:
+    """Refuse an output the writers cannot produce, before any compute: an existing target, a place that cannot be
+    written (probed with a temp file in its nearest existing directory), a target inside `not_inside` (a model
+    directory), or an MP4 without the optional `video` extra."""
+    import os
+    import tempfile
+
     from optimized.runtime.artifacts import ffmpeg_exe
     p = _Path(out)
     if p.exists():
@@ -393,6 +397,21 @@ def check_out_path(out: Any) -> _Path:
                          "pip install -e '.[video]'; or give a directory for PNG frames")
     if p.suffix.lower() not in ("", ".mp4"):
         raise ValueError(f"out: {p} must end in .mp4 or name a directory (PNG frames), got {p.suffix!r}")
+    if not_inside is not None:
+        model = _Path(not_inside).resolve()
+        if p.resolve() == model or model in p.resolve().parents:
+            raise ValueError(f"out: {p} is inside the model directory {not_inside}; write outputs elsewhere")
+    parent = p.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        if not parent.is_dir():
+            raise NotADirectoryError(f"{parent} is not a directory")
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".fv-write-probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"out: {p} cannot be written ({e.strerror or e}); nothing was run") from None
     return p
 
 

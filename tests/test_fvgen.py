@@ -109,3 +109,63 @@ def test_a_failed_generation_exits_1_and_a_bug_exits_3(tmp_path, capsys, monkeyp
     monkeypatch.setattr(fvgen, "_run_generate", lambda argv: 1 / 0)
     code, err = run_main(["wan"], capsys)
     assert code == 3 and "ZeroDivisionError" in err and "internal error" in err
+
+
+# ---- issue 22: outputs checked before compute (F15, F22), one message for a bad device (F17), SIGTERM (F16)
+@pytest.mark.parametrize("out, needle", [
+    ("{tmp}/file.txt/clip", "cannot be written"),              # F15: found after the whole generation (rc 1)
+    ("{tmp}/file.txt/deeper/clip", "cannot be written"),
+    ("{tmp}/model/clip", "inside the model directory"),         # F22: written into the model directory
+    ("{tmp}/model/sub/clip.mp4", "inside the model directory"),
+])
+def test_an_unusable_out_exits_2_before_the_engine_loads(tmp_path, capsys, monkeypatch, out, needle):
+    (tmp_path / "file.txt").write_text("not a directory")
+    (tmp_path / "model").mkdir()
+    monkeypatch.setattr(fvgen, "load_engine", lambda *a, **k: pytest.fail("the engine loaded before --out was checked"))
+    code, err = run_main(["wan", "--model", str(tmp_path / "model"), "--prompt-ids", "1,2", "--out",
+                          out.replace("{tmp}", str(tmp_path))], capsys)
+    assert code == 2 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "model"]
+    assert list((tmp_path / "model").iterdir()) == []
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", ""])
+def test_an_unknown_device_exits_2_with_one_message(tmp_path, capsys, device):
+    code, err = run_main(["wan", "--variant", "tiny", "--prompt-ids", "1,2", "--device", device, "--out",
+                          str(tmp_path / "a")], capsys)
+    assert code == 2 and "must be one of cpu, cuda, cuda:N" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1
+
+
+SIGTERM_CHILD = """
+import sys, time
+import optimized.runtime.artifacts as artifacts
+from optimized.serving import fvgen
+real = artifacts.png_bytes
+def slow_png(rgb):
+    print("WRITING", file=sys.stderr, flush=True)
+    time.sleep(0.3)              # a long write: SIGTERM lands while the temp directory holds frames
+    return real(rgb)
+artifacts.png_bytes = slow_png
+sys.exit(fvgen.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_writing_leaves_no_temp_files_and_exits_1(tmp_path):
+    """F16: SIGTERM of fvgen left its temp PNG directory behind."""
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, "wan", "--variant", "tiny", "--prompt-ids", "1,2",
+                             "--steps", "1", "--frames", "9", "--quiet", "--out", str(tmp_path / "frames")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    line = ""
+    while "WRITING" not in line and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "fvgen ended before writing"
+    time.sleep(0.7)   # at least one frame is in the temp directory
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err
+    assert list(tmp_path.iterdir()) == [], "temp files left behind after SIGTERM"

@@ -18,20 +18,24 @@ checkpoint and no processor a `--prompt` is refused (use --prompt-ids).
 --size is HEIGHTxWIDTH in pixels; --frames is the pixel frame count (4k + 1). Progress (one bar per stage: encode
 chunks, denoise steps, decode chunks) goes to stderr; the result summary (JSON) to stdout.
 
-Exit codes: 0 written; 1 the generation failed or was cancelled (nothing written); 2 usage or setup error (bad
-argument, unknown variant, missing checkpoint or extra, invalid request); 3 a bug in the tool.
+Exit codes: 0 written; 1 the generation failed or was cancelled, SIGTERM / Ctrl-C included (nothing written, no
+temp file left); 2 usage or setup error (bad argument, unknown variant or device, missing checkpoint or extra,
+invalid request, an --out that exists, cannot be written or lies inside the model directory: all found before
+anything runs); 3 a bug in the tool.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DEVICES = ("cpu", "cuda")
 
 
 class UsageError(Exception):
@@ -55,6 +59,27 @@ def resolve_variant(entry: Any, variant: str) -> str:
     raise UsageError(f"{entry.name} has no variant {variant!r}; variants: {', '.join(names)}")
 
 
+def check_device(device: str) -> None:
+    """cpu, cuda or cuda:N, and CUDA only where it is available (UsageError otherwise)."""
+    import torch
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in DEVICES:
+        raise UsageError(f"--device {device!r}: must be one of cpu, cuda, cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so every temp file's cleanup (`except BaseException`) runs."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def load_engine(family: str | None, model: str | None, variant: str | None, device: str = "cpu",
                 dtype: str = "fp32", plan: str = "none", seed: int = 0) -> Any:
     import torch
@@ -66,8 +91,7 @@ def load_engine(family: str | None, model: str | None, variant: str | None, devi
         raise UsageError(f"--plan {plan!r}: only 'none' (one device, no parallel plan) is supported by fvgen yet")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    check_device(device)
     if (model is None) == (variant is None):
         raise UsageError("give exactly one of --model OUT (a converted checkpoint) or --variant NAME (random weights)")
     tdtype = getattr(torch, DTYPES[dtype])
@@ -198,6 +222,12 @@ def _run_generate(argv: list[str]) -> int:
         raise UsageError("--out is required (OUT.mp4, or a directory for PNG frames)")
     if args.prompt is None and args.prompt_ids is None:
         raise UsageError("give --prompt or --prompt-ids")
+    from optimized.programs import check_out_path
+    check_device(args.device)
+    try:   # before the engine loads: an unusable --out is found before anything runs
+        check_out_path(args.out, not_inside=args.model if args.variant is None else None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan, args.seed_weights)
     try:
         height, width = parse_size(args.size, "--size") if args.size else (None, None)
@@ -215,6 +245,10 @@ def _run_generate(argv: list[str]) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Terminated:   # the writers' cleanup ran on the way out: nothing written, no temp file left
+        program.cancel()
+        print("terminated: nothing written", file=sys.stderr)
+        return 1
     summary = {"out": args.out, "paths": result.paths, "frames": list(result.frames.shape),
                "audio": None if result.audio is None else list(result.audio.shape), "seed": result.seed,
                "weights_version": result.weights_version, "timings": result.timings,
@@ -225,6 +259,22 @@ def _run_generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # a generation turns SIGTERM into an exception so its temp files are cleaned up (`serve` has its own handling)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if argv[:1] != ["serve"] and _main_thread() \
+        else None
+    try:
+        return _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv[:1] == ["serve"]:
             try:
@@ -243,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0) if isinstance(e.code, int) else 2
     except BrokenPipeError:  # stdout closed early (e.g. piped into head)
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, Terminated):
+        print("interrupted: nothing written", file=sys.stderr)
         return 1
     except Exception:  # noqa: BLE001 - a bug in the tool
         traceback.print_exc()
