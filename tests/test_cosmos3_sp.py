@@ -221,3 +221,36 @@ def test_c0_per_plan_forward_rows(plan, fault):
     else:                                              # every row fails, naming the layer of the permuted heads
         assert not any(c.passed for c in rows)
         assert all("cond branch, layer layers.0.gen" in (c.divergence or "") for c in rows), rows[0].divergence
+
+
+# ---- the plan's own cases (issue 29) ---------------------------------------------------------------------------
+
+def test_cfgp_plan_adds_a_mixed_rows_batch_split_inside_a_branch():
+    """Under cfgp the plan runs guided and unguided requests in one same-tick batch whose rows the 2-rank split cuts
+    inside a branch (c1's batch_position batch, 3 cond + 2 uncond rows, splits exactly at the branch)."""
+    from parity.families.cosmos3.parallel import plan_cases
+
+    cfg = load_variant(VARIANT)
+    for matrix in ("ci", "full"):
+        mixed = [c for c in plan_cases(cfg, ParallelPlan.parse("cfgp2"), matrix) if "cfgp_mixed_rows" in c.rules]
+        assert len(mixed) == (1 if matrix == "ci" else 3)
+        for case in mixed:
+            guided = sum(r.guidance_scale != 1.0 for r in case.requests)
+            cond_rows = len(case.requests)
+            assert 0 < guided < cond_rows and set(case.start_ticks) == {0}
+            assert -(-(cond_rows + guided) // 2) != cond_rows, case.name   # rank 0's rows end inside a branch
+    assert not any("cfgp_mixed_rows" in c.rules for c in plan_cases(cfg, ParallelPlan.parse("ulysses2")))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_cfg_rows_halved_fails_the_same_tick_batches():
+    """The halved predictions make a mixed batch's step fail; the scheduler reruns its requests one by one, so the
+    batches that never formed fail (every rank and request of the same-tick cases), clean they pass."""
+    only = ("cfgp_mixed_rows", "batch_position")
+    clean = c1("cfgp2", only=only)
+    assert clean.passed, [(c.name, c.detail) for c in clean.checks if not c.passed][:5]
+    bad = [c for c in c1("cfgp2", "cfg-rows-halved", only=only).checks if not c.passed]
+    batched = [c for c in bad if c.name.endswith("/batched_with_others")]
+    assert len(batched) > 1 and any("/cfgp_mixed_rows." in c.name for c in batched), [c.name for c in bad]
+    assert {"rank0", "rank1"} <= {p for c in batched for p in c.name.split("/")}

@@ -252,12 +252,13 @@ COSMOS3_C1_FAULTS = {
 
 # ------------------------------------------------------------------------------------------------
 # Parallel faults: planted by every rank of a C1 run under --plan (parallel.py) at the runtime's declared seams
-# (parity/parallel_faults.py: optimized.parallel.sp.split_head_groups, CFGParallel.branch_rows; and cosmos3's own
-# optimized.models.cosmos3.tp.tp_slice), so kept apart from the one-process FAULTS
+# (parity/parallel_faults.py: optimized.parallel.sp.split_head_groups / sequence_to_heads, CFGParallel.branch_rows /
+# run; and cosmos3's own optimized.models.cosmos3.tp.tp_slice), so kept apart from the one-process FAULTS
 # ------------------------------------------------------------------------------------------------
 
 PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
-                       "tp-wrong-slice": "tp"}   # fault -> axis
+                       "tp-wrong-slice": "tp", "cfg-rows-halved": "cfgp",
+                       "ulysses-heads-interleaved": "sp_ulysses"}   # fault -> axis
 PARALLEL_FAULT_DECLS = (
     Fault("ulysses-heads-permuted", "Ulysses SP: the forward all-to-all sends each head group to the wrong rank "
           "(C1 with --plan ulysses2)", "C1", "step 0, cond branch, layer layers.0.gen"),
@@ -266,6 +267,10 @@ PARALLEL_FAULT_DECLS = (
     Fault("tp-wrong-slice", "TP: layer 1's gen MLP down_proj (row-parallel) kept as the next rank's columns (C1 "
           "with --plan tp2; seam optimized.models.cosmos3.tp.tp_slice)", "C1",
           "step 0, cond branch, layer layers.1.gen"),
+    Fault("cfg-rows-halved", "CFG-parallel: the gathered predictions split in half (cond = first half), not by "
+          "branch (C1 with --plan cfgp2: only a batch mixing guided and unguided requests tells)", "C1"),
+    Fault("ulysses-heads-interleaved", "Ulysses SP: the inverse all-to-all lays the heads out interleaved (C1 with "
+          "--plan ulysses2: tiny's 4 heads put 2 on every rank)", "C1", "step 0, cond branch, layer layers.0.gen"),
 )
 
 

@@ -1,7 +1,9 @@
 """cosmos3 C1 under a parallel plan (`fvparity run cosmos3 --level C1 --plan cfgp2,ulysses2`): the plan is checked
 against the cosmos3 contract (optimized/models/cosmos3 PARALLELISM) before anything runs (a refused plan is a setup
 error, exit 2), the ranks are spawned on CPU with gloo (optimized/parallel/launch.py `run_ranks`), and every rank
-runs c1's loop cases through its own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP of
+runs the plan's cases (`plan_cases`: c1's loop cases of the `--cases` matrix, and under cfgp the
+`cfgp_mixed_rows` batches: guided and unguided requests whose rows the cfgp split cuts inside a branch) through its
+own engine, parallelized by the family's `parallelize` hook (Ulysses / ring SP of
 the gen stream with head-sharded und K/V, optimized/models/cosmos3/parallelize.py; tensor parallel,
 optimized/models/cosmos3/tp.py, each tp rank reading only its slices of the variant written as a canonical checkpoint;
 the cfgp axis through the CFG-parallel policy). Parallel faults (PARALLEL_FAULT_DECLS) are planted by every rank
@@ -9,7 +11,9 @@ itself.
 
 Rows per rank and request: c1's rows (timesteps, initial noise, every step's latents vs the fp32 reference loop, the
 loop tolerance), the engine's final latents under the plan vs the engine in one process (`vs_one_process`), and that
-every rank holds the same latents (`ranks_agree`). Localisation: each rank also traces its (parallel) model on the
+every rank holds the same latents (`ranks_agree`); a case whose requests overlap in time must have batched them on
+every rank (`batched_with_others`: the scheduler reruns a batch whose step raised request by request, so a batched
+step that cannot run shows only there). Localisation: each rank also traces its (parallel) model on the
 reference's own inputs of every step of each case's first request, both CFG branches; the first divergent step is
 named with the first divergent layer of that trace (or "after the transformer" when every layer agrees).
 C0 per plan: the cond-branch outputs of those traces vs the reference transformer on the same inputs, per output,
@@ -27,6 +31,7 @@ import torch
 
 from manifests.parity import load_parity_contract
 from optimized.parallel.plan import ParallelPlan, ParallelPlanError
+from parity.cases import cfgp_mixes, draws, rule_rng
 from parity.errors import SetupError
 from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3 import faults as fault_lib
@@ -80,6 +85,40 @@ def parse_plan(text: str, models: list, device: str, fault: str | None) -> Paral
     if need is not None and plan.degree(need) == 1:
         raise SetupError(f"fault {fault} lives on the {need} axis: give a plan with {need} > 1")
     return plan
+
+
+def cfgp_mixed_rows_cases(cfg, cfgp: int, matrix: str = "ci", seed: int = 0) -> list:
+    """Rule `cfgp_mixed_rows` (wan's, parity/families/wan/cases.py): guided and unguided requests (guidance exactly 1:
+    cosmos3 runs CFG at any other scale) submitted on one tick, in counts whose rows the `cfgp` split cuts inside a
+    branch, each with its own drawn prompt length and frame count."""
+    out = []
+    for d in draws(matrix):
+        r = rule_rng("cosmos3", "cfgp_mixed_rows", seed, d)
+        guided, unguided = r.choice(cfgp_mixes(cfgp))
+        seed0 = r.randint(100, 10 ** 6)
+        scales = [round(r.uniform(1.5, 8.0), 2) for _ in range(guided)] + [1.0] * unguided
+        r.shuffle(scales)
+        reqs = tuple(case_lib.request(cfg, seed0 + k, g, r.randint(3, 9), latent_frames=r.randint(1, 3))
+                     for k, g in enumerate(scales))
+        out.append(case_lib.LoopCase(f"cfgp_mixed_rows.{d}.g{guided}u{unguided}", reqs,
+                                     start_ticks=(0,) * len(reqs),
+                                     rules=("cfgp_mixed_rows", "batch_position", "guidance_1", "guidance_gt1")))
+    return out
+
+
+def plan_cases(cfg, plan: ParallelPlan, matrix: str = "ci", seed: int = 0) -> list:
+    """c1's loop cases of `matrix`, then the cfgp mixed-rows batches when the plan has cfgp > 1."""
+    return loop_cases(cfg, matrix, seed) + (cfgp_mixed_rows_cases(cfg, plan.cfgp, matrix, seed) if plan.cfgp > 1
+                                            else [])
+
+
+def _batched_check(name: str, case, eng_run) -> list[CheckResult]:
+    """For a case whose requests overlap in time (all submitted before the first finishes): some step ran this
+    request together with another."""
+    if len(case.requests) < 2 or max(case.start_ticks) >= STEPS:
+        return []
+    sizes = eng_run.extra.get("batch_sizes", [])
+    return [CheckResult(f"{name}/batched_with_others", max(sizes, default=0) > 1, detail=f"batch size per step {sizes}")]
 
 
 def _probes(cfg, case, ref_run, dtype) -> list[list[Probe]]:
@@ -183,7 +222,7 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
             tol = contract.tolerance("C1", DTYPE_NAMES[dname], dev)
             c0_tol = contract.tolerance("C0", DTYPE_NAMES[dname], dev)
             reference = load_reference(cfg, state, device, dtype)
-            todo = [c for c in loop_cases(cfg, cases, seed) if wanted(c.name)]
+            todo = [c for c in plan_cases(cfg, plan, cases, seed) if wanted(c.name)]
             ref_runs = [[run_reference_loop(reference, req) for req in case.requests] for case in todo]
             probes = [_probes(cfg, case, runs[0], dtype) for case, runs in zip(todo, ref_runs)]
             progress(f"[cosmos3 C1] {vname} {dname}: plan {plan.name()} on {plan.world_size} gloo ranks, "
@@ -221,6 +260,7 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                                                                            c0_tol, r) if k == 0 else
                             f"step {step} (rank {r}; layers are traced for the case's first request only)")
                         report.checks += _vs_one_process(f"{prefix}/rank{r}{sub}", eng_run, one[k], tol, plan)
+                        report.checks += _batched_check(f"{prefix}/rank{r}{sub}", case, eng_run)
                         if graph != "eager":  # every step of this rank ran the asked graph, with the plan in its key
                             report.checks.append(graph_kinds_check(f"{prefix}/rank{r}{sub}/graph_{graph}", graph,
                                                                    eng_run.extra.get("graphs", []),
