@@ -9,7 +9,16 @@ from rank 0, loads the same model (with `--checkpoint` and tp > 1 each rank read
 the family contract's `load_sharded`), attaches the mesh through the family's `parallelize` hook and runs the requests
 on its own scheduler (the schedulers stay in lockstep: same requests, same order, deterministic planning). A rank
 that dies or hangs ends the run: the waiting ranks' collectives time out or see the peer gone, and the error names
-that rank (optimized/parallel/watchdog.py); torchrun then stops the rest. Exit codes: 0 ok, 1 run failed, 2 refused.
+that rank (optimized/parallel/watchdog.py); torchrun then stops the rest. Exit codes: 0 ok, 1 run failed, 2 refused
+(a plan the contract refuses, an unknown variant or family, a missing or invalid checkpoint or request file).
+
+`--nproc-per-node N` launches the ranks itself (torch's elastic agent, as torchrun does) after checking the plan,
+the model and the requests in this one process first: a refusal is one message and exit 2 before any rank starts,
+and the launcher's exit code is the ranks' when they agree (1 when they differ), with one line naming the failed
+ranks instead of the agent's traceback. Under a bare torchrun every rank still exits 2 on a setup error (only rank
+0 prints it), but torchrun itself reports any failing rank as exit 1.
+
+    python -m optimized.parallel.launch --nproc-per-node 2 --variant tiny-2.1-t2v --plan cfgp2 --requests reqs.pt
 
 `--requests FILE` holds a torch.save'd list of request objects (a trusted local file: loaded with pickle);
 `--request-json '{...}'` builds one request of the family's denoise type from JSON (lists become tensors).
@@ -45,7 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="rank 0 writes {'results': [...], 'plan': ..., 'seconds': ...} here (torch.save)")
     p.add_argument("--cfg-policy", default="batched", help="CFG policy when cfgp is 1")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
+    p.add_argument("--nproc-per-node", type=int, default=0, metavar="N",
+                   help="launch N local ranks (checked here first; exit code = the ranks' when they agree)")
     return p
+
+
+class SetupError(Exception):
+    """A launch refused before any rank computes (exit 2)."""
 
 
 def _family_and_config(args):
@@ -72,9 +87,11 @@ def _requests(args, entry) -> list:
     raise SystemExit("error: give --requests FILE or --request-json JSON")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+def _check(args, world: int):
+    """(plan, family entry) for this launch, or SetupError: the plan against the family's contract, the model (a
+    known variant, a readable checkpoint) and the requests, before any process group exists."""
+    from manifests.errors import ManifestError
+    from optimized.registry import UnknownFamily
     try:
         plan = ParallelPlan.parse(args.plan)
         entry, cfg = _family_and_config(args)
@@ -85,10 +102,76 @@ def main(argv: list[str] | None = None) -> int:
             entry.parallelize.validate(plan, cfg, world)      # before any process group: every rank exits 2 alike
         elif plan.world_size != world:
             raise ParallelPlanError(f"plan {plan.name()} needs world size {plan.world_size}; the launch has {world}")
-    except ParallelPlanError as e:
-        print(f"rank {rank}: error: {e}", file=sys.stderr)
+        if not (args.requests or args.request_json):
+            raise SetupError("give --requests FILE or --request-json JSON")
+        if args.requests and not os.path.isfile(args.requests):
+            raise SetupError(f"--requests {args.requests}: no such file")
+        if args.request_json:
+            json.loads(args.request_json)
+    except (ParallelPlanError, UnknownFamily, ManifestError, OSError, ValueError) as e:
+        raise SetupError(str(e).strip("'\"")) from None
+    return plan, entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    under_torchrun = "LOCAL_RANK" in os.environ
+    if args.nproc_per_node and not under_torchrun:
+        return launch(args, list(sys.argv[1:] if argv is None else argv))
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        plan, entry = _check(args, world)
+    except SetupError as e:
+        if rank == 0:   # every rank refuses alike: one message
+            print(f"error: {e}", file=sys.stderr)
         return 2
     return _run(args, plan, entry, rank, world)
+
+
+def launch(args, argv: list[str]) -> int:
+    """Check here, then run `--nproc-per-node` ranks of this launcher through torch's elastic agent; the ranks'
+    exit code when they agree (1 when they differ), one line naming the failed ranks."""
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    n = args.nproc_per_node
+    try:
+        if n < 1:
+            raise SetupError(f"--nproc-per-node must be >= 1, got {n}")
+        _check(args, n)
+    except SetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    child = _without_option(argv, "--nproc-per-node")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)   # the one line below says it
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "optimized.parallel.launch", *child)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in sorted(e.failures.items())}
+        agreed = set(codes.values())
+        code = agreed.pop() if len(agreed) == 1 and len(codes) == n else 1
+        code = code if 0 < code < 128 else 1   # a rank killed by a signal: the run failed
+        print(f"launch: {len(codes)} of {n} rank(s) failed: "
+              f"{', '.join(f'rank {r} exit {c}' for r, c in codes.items())} (exit {code})", file=sys.stderr)
+        return code
+    return 0
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """argv without `name VALUE` / `name=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == name:
+            skip = True
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
 
 
 def _run(args, plan: ParallelPlan, entry, rank: int, world: int) -> int:
