@@ -65,4 +65,6 @@ FAMILY = ParityFamily(
                 "ti2v conditioning), SDE rollouts, VAE decoder and encoder (chunked loops with carried conv caches)",
     levels=LEVELS, variants=common.variants, default_variants=common.DEFAULT_VARIANTS,
     faults=faults.FAULTS + c2.FAULTS + c3.FAULTS, golden_probes=PROBES, check_converted=check_converted,
-    component_post_checks=COMPONENT_POST_CHECKS)
+    component_post_checks=COMPONENT_POST_CHECKS,
+    # the CFG-parallel and Ulysses code paths run only under a plan: `fvparity mutate wan` runs these plan runs too
+    mutate_plans=(("C1", "cfgp2"), ("C1", "ulysses2")))
