@@ -3,7 +3,9 @@ anchor loops. Under cfgp a batch mixing guided and unguided rows that the rank s
 Ulysses a model with 2 heads on every rank (the 2-head tiny variants hold one head per rank at ulysses2, where head
 order cannot be wrong); under SP the padded loop. The planted faults `cfg-rows-halved` (the gathered predictions cut
 in half, not by branch) and `ulysses-heads-interleaved` (the inverse all-to-all interleaves heads) must each fail
-more than one check."""
+more than one check. Default suite: the matrices themselves (no ranks); the plan runs are slow (the default suite's
+plan runs: tests/test_wan_sp.py ulysses2 on a representative subset, tests/test_cfg_parallel.py the policy on
+every mix of guided and unguided rows)."""
 
 from __future__ import annotations
 
@@ -54,10 +56,11 @@ def test_ulysses_plan_runs_a_model_with_two_heads_per_rank():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_cfg_rows_halved_fails_in_the_mixed_rows_batch():
-    """The default suite's representative plan run: the mixed-rows case alone, clean then with the fault. The batch
-    step fails under the fault (too few predictions) and the scheduler reruns its requests one by one, so the
-    latents stay right: the batch that never formed is what must fail, on every rank and request."""
+    """The mixed-rows case alone, clean then with the fault (the policy itself: tests/test_cfg_parallel.py, default
+    suite). The batch step fails under the fault (too few predictions) and the scheduler reruns its requests one by
+    one, so the latents stay right: the batch that never formed is what must fail, on every rank and request."""
     only = ("cfgp_mixed_rows.",)
     clean = c1("cfgp2", only=only)
     assert clean.passed, [(c.name, c.detail) for c in clean.checks if not c.passed][:5]
