@@ -1,6 +1,7 @@
 """Typed runtime events. Kinds: request.accepted, request.rejected, request.admitted, request.preempted,
 request.cancelled, request.completed, request.failed, request.output (a streamed piece of a result, e.g. a decoded
-video chunk), trace.step, trace.scheduler, trace.cache, trace.subscriber_error (a subscriber raised)."""
+video chunk), trace.step, trace.scheduler, trace.batch_failed (a batched step raised; its members are rerun one by one),
+trace.cache, trace.subscriber_error (a subscriber raised)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 EVENT_KINDS = ("request.accepted", "request.rejected", "request.admitted", "request.preempted", "request.cancelled",
-               "request.completed", "request.failed", "request.output", "trace.step", "trace.scheduler", "trace.cache",
-               "trace.subscriber_error", "rollout.step")
+               "request.completed", "request.failed", "request.output", "trace.step", "trace.scheduler",
+               "trace.batch_failed", "trace.cache", "trace.subscriber_error", "rollout.step")
 
 log = logging.getLogger("optimized.runtime.events")
 

@@ -8,7 +8,9 @@ bytes + the batch's step bytes fit; a later step that can never fit fails its re
 
 Failures: a step runs on snapshots of the recorded states (`LoopKernel.snapshot`), so when a batched step raises,
 every member still has its pre-step state and the batch is re-run request by request from there: the failing
-request fails alone, its batch mates advance exactly once.
+request fails alone, its batch mates advance exactly once. The batch's failure is emitted first, as one
+`trace.batch_failed` event (error, member ids, loop, each member's step index), so a batched step that cannot run is
+never silent even when every solo rerun succeeds.
 
 Each `tick()`:
   1. retire cancelled / preempted requests at a step boundary (a plan with `cancel_boundary`; reservations and
@@ -420,6 +422,9 @@ class WorkUnitScheduler:
                                    f"{len(new_states)} states for {len(recs)} requests")
         except Exception as e:  # a failing step fails its own request, not the engine or its batch mates
             if len(recs) > 1:
+                # said before the solo reruns: they may all succeed, and a batch that cannot run is still a bug
+                self._emit("trace.batch_failed", None, error=f"{type(e).__name__}: {e}", batch=list(rids),
+                           loop=plans[0].loop_id, steps=[p.step_index for p in plans])
                 for rid, plan in zip(rids, plans):  # isolate the culprit: rerun each alone from its pre-step state
                     self._run_group([rid], [plan], batch_key)
                 return

@@ -32,6 +32,7 @@ from parity.families.cosmos3.ar import ar_checks
 from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3.cases import STEPS, LoopCase
 from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, replay_batched_forward, resolve_models
+from parity.engine_events import batch_failures, no_batch_failed_check
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.localise import TraceRecorder, first_divergence
 from parity.metrics import compare, within
@@ -73,13 +74,15 @@ def run_reference_loop(model, req: Cosmos3GenerateRequest) -> SideRun:
 
 def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
     """Each request's run; a failed request keeps the steps it completed and its error (a failed check, not a
-    crash of the harness)."""
+    crash of the harness); every run's extra["batch_failures"]: the case's batched steps that raised
+    (engine_events.py)."""
     handles = []
-    for req, start in zip(case.requests, case.start_ticks):
-        while engine.scheduler.tick_count < start and not engine.scheduler.idle:
-            engine.step()
-        handles.append(engine.submit(req, record_trajectory=True))
-    engine.run_until_idle()
+    with batch_failures(engine) as failed:
+        for req, start in zip(case.requests, case.start_ticks):
+            while engine.scheduler.tick_count < start and not engine.scheduler.idle:
+                engine.step()
+            handles.append(engine.submit(req, record_trajectory=True))
+        engine.run_until_idle()
     runs = []
     # the batch each step ran in: (request id, its step index) of every batch mate, in the scheduler's order
     step_of = {(h.request_id, e.tick): e.data.get("step") for h in handles for e in h.events
@@ -93,12 +96,13 @@ def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
         if h.status == "completed":
             r = h.result()
             runs.append(SideRun(r["trajectory"], r["initial"], r["timesteps"],
-                                {"batch_sizes": batches, "graphs": graphs, "rid": h.request_id, "calls": calls}))
+                                {"batch_sizes": batches, "graphs": graphs, "rid": h.request_id, "calls": calls,
+                                 "batch_failures": failed}))
         else:
             st = h.record.state
             runs.append(SideRun(st.trajectory, st.initial, st.timesteps,
                                 {"batch_sizes": batches, "graphs": graphs, "rid": h.request_id, "calls": calls,
-                                 "error": f"engine request {h.status}: {h.record.error}"}))
+                                 "batch_failures": failed, "error": f"engine request {h.status}: {h.record.error}"}))
     return runs
 
 
@@ -244,6 +248,9 @@ def run_c1(variants, checkpoint, device, dtypes, seed, fault, progress, graph: s
                         with recording_calls([engine.model], enabled=interleave.wants(len(case.requests))) as calls:
                             eng_runs = run_engine_case(engine, case)
                         report.checks += capture_interleave_checks(f"{vname}/{dname}/{case.name}", calls)
+                        if len(case.requests) > 1:  # a batch that raised is rerun solo: right latents, still a bug
+                            report.checks.append(no_batch_failed_check(f"{vname}/{dname}/{case.name}",
+                                                                       eng_runs[0].extra["batch_failures"]))
                         peers = {e.extra["rid"]: (q, e) for q, e in zip(case.requests, eng_runs)}
                         for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
                             ref_run = run_reference_loop(reference, req)

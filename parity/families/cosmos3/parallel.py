@@ -12,8 +12,9 @@ itself.
 Rows per rank and request: c1's rows (timesteps, initial noise, every step's latents vs the fp32 reference loop, the
 loop tolerance), the engine's final latents under the plan vs the engine in one process (`vs_one_process`), and that
 every rank holds the same latents (`ranks_agree`); a case whose requests overlap in time must have batched them on
-every rank (`batched_with_others`: the scheduler reruns a batch whose step raised request by request, so a batched
-step that cannot run shows only there). Localisation: each rank also traces its (parallel) model on the
+every rank (`batched_with_others`), and no batched step may raise on any rank (`no_batch_failed`, per case and
+rank): the scheduler reruns a batch whose step raised request by request, so a batched step that cannot run shows
+only in these two. Localisation: each rank also traces its (parallel) model on the
 reference's own inputs of every step of each case's first request, both CFG branches; the first divergent step is
 named with the first divergent layer of that trace (or "after the transformer" when every layer agrees).
 C0 per plan: the cond-branch outputs of those traces vs the reference transformer on the same inputs, per output,
@@ -40,6 +41,7 @@ from parity.families.cosmos3.c1 import (compare_runs, forward_inputs, loop_cases
                                         run_reference_loop)
 from parity.families.cosmos3.cases import STEPS
 from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, resolve_models
+from parity.engine_events import no_batch_failed_check
 from parity.family import DTYPE_NAMES, DTYPES
 from parity.graph_checks import dynamo_counts, graph_kinds_check
 from parity.localise import TraceRecorder, first_divergence
@@ -250,6 +252,9 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                     + ", ".join(f"{a} {n} B" for a, n in ranks[0][c][2].items()) if not idle else
                     f"no exchange (the plan ran replicated): {', '.join(idle)}"))
                 report.checks += _forward_checks(prefix, reference, probes[c], [rank[c][1] for rank in ranks], c0_tol)
+                if len(case.requests) > 1:  # on every rank, no batched step raised (its solo reruns hide it otherwise)
+                    report.checks += [no_batch_failed_check(f"{prefix}/rank{r}", rank[c][0][0].extra["batch_failures"])
+                                      for r, rank in enumerate(ranks)]
                 for k, req in enumerate(case.requests):
                     sub = f"/req{k}" if len(case.requests) > 1 else ""
                     for r, rank in enumerate(ranks):

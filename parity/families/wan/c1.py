@@ -38,6 +38,7 @@ from parity.families.wan.common import (DEFAULT_VARIANTS, DiTInputs, contract_to
 from parity.family import DTYPES, golden_probe
 from parity.graph_checks import (InterleaveCases, capture_interleave_checks, dynamo_counts, graph_kinds_check,
                                   recording_calls)
+from parity.engine_events import batch_failures, no_batch_failed_check
 from parity.localise import first_divergence
 from parity.metrics import compare, exact, within
 from parity.report import CheckResult, Report, exceptions_fail
@@ -113,9 +114,10 @@ def run_reference(pipe: ref.WanReferencePipeline, req: WanGenerateRequest) -> Si
 
 def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
     """Each request's run; a failed request keeps the steps it completed and its error (a failed check, not a crash
-    of the harness). Fed timesteps are recorded for single-request cases (a batch's rows are not per request)."""
+    of the harness). Fed timesteps are recorded for single-request cases (a batch's rows are not per request);
+    every run's extra["batch_failures"]: the case's batched steps that raised (engine_events.py)."""
     handles = []
-    with fed_to_engine(engine) as calls:
+    with fed_to_engine(engine) as calls, batch_failures(engine) as failed:
         for req, start in zip(case.requests, case.start_ticks):
             while engine.scheduler.tick_count < start and not engine.scheduler.idle:
                 engine.step()
@@ -135,6 +137,7 @@ def run_engine_case(engine, case: LoopCase) -> list[SideRun]:
                           extra={"error": f"engine request {h.status}: {h.record.error}"})
         run.extra["batch_sizes"] = batches
         run.extra["graphs"] = graphs
+        run.extra["batch_failures"] = failed
         runs.append(run)
     if len(handles) == 1:
         two_forward = engine.options.cfg_policy == "two-forward"
@@ -311,6 +314,8 @@ def run_c1(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                         with recording_calls(engine.model.experts(), enabled=recorded) as calls:
                             eng_runs = run_engine_case(engine, case)
                         report.checks += capture_interleave_checks(prefix, calls)
+                        if len(case.requests) > 1:  # a batch that raised is rerun solo: right latents, still a bug
+                            report.checks.append(no_batch_failed_check(prefix, eng_runs[0].extra["batch_failures"]))
                         for k, (req, eng_run) in enumerate(zip(case.requests, eng_runs)):
                             ref_run = run_reference(pipe, req)
                             p = prefix + (f"/req{k}" if len(case.requests) > 1 else "")

@@ -20,8 +20,9 @@ A parallel fault is planted by each rank around its whole run, loading included 
 
 Rows per rank and request: c1's schedule rows, every step's latents and the final latents vs the fp32 reference
 pipeline (the loop tolerance), the engine's SP=N final latents vs the engine in one process (`vs_one_process`), and
-that every rank holds the same latents (and, for a batch, that some step ran it batched: the scheduler reruns a
-batch whose step raised request by request, so a batched step that cannot run shows there). Each rank also traces
+that every rank holds the same latents (and, for a batch, that some step ran it batched; per case and rank, that no
+batched step raised, `no_batch_failed`: the scheduler reruns a batch whose step raised request by request, so a
+batched step that cannot run shows only in these two). Each rank also traces
 its (parallel) DiT on the reference's own DiT input of every step of each case's first request: for the first case
 on each set of weights (the variant's, the more-heads model's, the large-logit loop's) every rank's DiT output on
 those inputs is a row of its own vs the reference DiT (C0 under the plan, the C0 DiT tolerance:
@@ -48,6 +49,7 @@ from parity.families.wan import cases as case_lib, common, faults
 from parity.families.wan.c1 import LoopCase, run_engine_case, run_reference, schedule_checks, trajectory_checks
 from parity.families.wan.common import (DiTInputs, ModelUnderTest, contract_tolerance, engine_for, make_request,
                                         reference_pipeline, run_optimized_dit, run_reference_dit)
+from parity.engine_events import no_batch_failed_check
 from parity.family import DTYPES
 from parity.graph_checks import dynamo_counts, graph_kinds_check
 from parity.localise import first_divergence
@@ -307,6 +309,9 @@ def _run_model(report: Report, m: ModelUnderTest, plan: ParallelPlan, device: st
             pipe = pipes[c]
             one = run_engine_case(engine_for(models[c], device, DTYPES[dname], seed, case.cfg_policy), case)
             prefix = f"{m.name}/{dname}/{plan.name()}/{case.name}"
+            if len(case.requests) > 1:  # on every rank, no batched step raised (its solo reruns hide it otherwise)
+                report.checks += [no_batch_failed_check(f"{prefix}/rank{r}", rank[c][0][0].extra["batch_failures"])
+                                  for r, rank in enumerate(ranks)]
             for k, req in enumerate(case.requests):
                 ref_run = ref_runs[c][k]
                 for r, rank in enumerate(ranks):
