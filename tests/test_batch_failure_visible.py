@@ -63,6 +63,18 @@ def test_a_solo_step_that_raises_is_a_failed_request_not_a_batch_failure():
     assert rec.status == "failed" and not [e for e in seen if e.kind == "trace.batch_failed"]
 
 
+def _refusing_batches(monkeypatch, loop_cls) -> None:
+    """Plant a batched-step exception: `loop_cls.run_step` raises for more than one state."""
+    original = loop_cls.run_step
+
+    def refuses_batches(self, states, plans):
+        if len(states) > 1:
+            raise RuntimeError("planted: batched step refused")
+        return original(self, states, plans)
+
+    monkeypatch.setattr(loop_cls, "run_step", refuses_batches)
+
+
 def _wan_c1_concurrent(monkeypatch):
     """Single-process wan C1 on the tiny t2v variant, only its three-request concurrent case."""
     from parity.families.wan import cases as case_lib
@@ -82,14 +94,7 @@ def test_wan_c1_fails_no_batch_failed_when_a_batched_denoise_step_raises(monkeyp
     assert [c.name for c in check] == ["tiny-2.1-t2v/fp32/concurrent3/no_batch_failed"] and check[0].passed
     assert clean.passed, [(c.name, c.detail) for c in clean.checks if not c.passed][:5]
 
-    original = WanDenoiseLoop.run_step
-
-    def refuses_batches(self, states, plans):
-        if len(states) > 1:
-            raise RuntimeError("planted: batched step refused")
-        return original(self, states, plans)
-
-    monkeypatch.setattr(WanDenoiseLoop, "run_step", refuses_batches)
+    _refusing_batches(monkeypatch, WanDenoiseLoop)
     bad = [c for c in _wan_c1_concurrent(monkeypatch).checks if not c.passed]
     names = {c.name.split("/", 2)[2] for c in bad}
     assert "concurrent3/no_batch_failed" in names, sorted(names)
@@ -98,6 +103,24 @@ def test_wan_c1_fails_no_batch_failed_when_a_batched_denoise_step_raises(monkeyp
     # the solo reruns are right: apart from the batch checks, nothing else sees it
     assert names <= {"concurrent3/no_batch_failed", "concurrent3/req0/batched_with_others",
                      "concurrent3/req1/batched_with_others", "concurrent3/req2/batched_with_others"}, sorted(names)
+
+
+def test_cosmos3_c1_fails_no_batch_failed_when_a_batched_denoise_step_raises(monkeypatch):
+    from optimized.models.cosmos3.loops import FlowDenoiseLoop
+    from parity.families.cosmos3.c1 import run_c1
+
+    def concurrent3():
+        return run_c1(["tiny"], None, "cpu", ["fp32"], 0, None, lambda msg: None, only=("concurrent3",))
+
+    clean = concurrent3()
+    assert [c.name for c in clean.checks if c.name.endswith("/no_batch_failed")] == \
+        ["tiny/fp32/concurrent3/no_batch_failed"]
+    assert clean.passed, [(c.name, c.detail) for c in clean.checks if not c.passed][:5]
+    _refusing_batches(monkeypatch, FlowDenoiseLoop)
+    bad = {c.name.split("/", 2)[2]: c for c in concurrent3().checks if not c.passed}
+    assert "concurrent3/no_batch_failed" in bad, sorted(bad)
+    assert "planted: batched step refused" in bad["concurrent3/no_batch_failed"].detail
+    assert all(n == "concurrent3/no_batch_failed" or n.endswith("/batched_with_others") for n in bad), sorted(bad)
 
 
 @pytest.mark.dist

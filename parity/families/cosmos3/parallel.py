@@ -37,7 +37,7 @@ from parity.errors import SetupError
 from parity.families.cosmos3 import cases as case_lib
 from parity.families.cosmos3 import faults as fault_lib
 from parity.families.cosmos3 import c1 as one_process
-from parity.families.cosmos3.c1 import (compare_runs, forward_inputs, loop_cases, run_engine_case,
+from parity.families.cosmos3.c1 import (compare_runs, forward_inputs, loop_cases, requests_overlap, run_engine_case,
                                         run_reference_loop)
 from parity.families.cosmos3.cases import STEPS
 from parity.families.cosmos3.common import DEFAULT_VARIANTS, load_reference, resolve_models
@@ -117,7 +117,7 @@ def plan_cases(cfg, plan: ParallelPlan, matrix: str = "ci", seed: int = 0) -> li
 def _batched_check(name: str, case, eng_run) -> list[CheckResult]:
     """For a case whose requests overlap in time (all submitted before the first finishes): some step ran this
     request together with another."""
-    if len(case.requests) < 2 or max(case.start_ticks) >= STEPS:
+    if not requests_overlap(case):
         return []
     sizes = eng_run.extra.get("batch_sizes", [])
     return [CheckResult(f"{name}/batched_with_others", max(sizes, default=0) > 1, detail=f"batch size per step {sizes}")]
@@ -252,7 +252,7 @@ def run_c1_plan(report: Report, models: list, plan: ParallelPlan, device: str, d
                     + ", ".join(f"{a} {n} B" for a, n in ranks[0][c][2].items()) if not idle else
                     f"no exchange (the plan ran replicated): {', '.join(idle)}"))
                 report.checks += _forward_checks(prefix, reference, probes[c], [rank[c][1] for rank in ranks], c0_tol)
-                if len(case.requests) > 1:  # on every rank, no batched step raised (its solo reruns hide it otherwise)
+                if requests_overlap(case):  # on every rank, no batched step raised (its solo reruns hide it otherwise)
                     report.checks += [no_batch_failed_check(f"{prefix}/rank{r}", rank[c][0][0].extra["batch_failures"])
                                       for r, rank in enumerate(ranks)]
                 for k, req in enumerate(case.requests):
