@@ -106,11 +106,26 @@ def _check(args, world: int):
             raise SetupError("give --requests FILE or --request-json JSON")
         if args.requests and not os.path.isfile(args.requests):
             raise SetupError(f"--requests {args.requests}: no such file")
-        if args.request_json:
-            json.loads(args.request_json)
+        _check_requests(args, entry, cfg)
     except (ParallelPlanError, UnknownFamily, ManifestError, OSError, ValueError) as e:
         raise SetupError(str(e).strip("'\"")) from None
     return plan, entry
+
+
+def _check_requests(args, entry, cfg) -> None:
+    """The requests as rank 0 will build them, each of a type the family serves and valid for the model: a bad
+    request file is bad input (exit 2 on every rank alike), not a rank failure."""
+    where = f"--requests {args.requests}" if args.requests else "--request-json"
+    try:
+        requests = _requests(args, entry)
+    except Exception as e:  # noqa: BLE001 - unpickling / JSON / constructor errors: all bad input
+        raise SetupError(f"{where}: not a list of requests ({type(e).__name__}: {e})") from None
+    for i, request in enumerate(requests):
+        if type(request) not in entry.request_types:
+            known = ", ".join(t.__name__ for t in entry.request_types)
+            raise SetupError(f"{where}: request {i} is a {type(request).__name__}; {entry.name} serves {known}")
+        if hasattr(request, "validate"):
+            request.validate(cfg)   # ManifestError (a bound, a shape) -> SetupError above
 
 
 def main(argv: list[str] | None = None) -> int:
