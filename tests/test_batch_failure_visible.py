@@ -139,3 +139,14 @@ def test_cfg_rows_halved_fails_no_batch_failed_on_every_rank_of_the_mixed_rows_b
     ranks = {c.name.split("/")[4] for c in bad if c.name.endswith("/no_batch_failed")}
     assert ranks == {"rank0", "rank1"}, [c.name for c in bad]
     assert all("Error: " in c.detail for c in bad if c.name.endswith("/no_batch_failed"))   # the error named
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_cosmos3_cfg_rows_halved_fails_no_batch_failed_on_every_rank():
+    from tests.test_cosmos3_sp import c1
+
+    bad = [c for c in c1("cfgp2", "cfg-rows-halved", only=("cfgp_mixed_rows",)).checks if not c.passed]
+    failed = [c for c in bad if c.name.endswith("/no_batch_failed")]
+    assert {c.name.split("/")[4] for c in failed} == {"rank0", "rank1"}, [c.name for c in bad]
+    assert all("cosmos3.denoise" in c.detail and "Error: " in c.detail for c in failed), failed[0].detail
