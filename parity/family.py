@@ -89,6 +89,9 @@ class ParityFamily:
     # (level, plan) runs `fvparity mutate` adds to the levels (`run:C1@cfgp2`): the parallel code paths run only
     # under a plan, so a sweep without them can never catch a bug there
     mutate_plans: tuple[tuple[str, str], ...] = ()
+    # the variants those plan runs use (empty: the default ones): one variant that holds every plan case keeps a
+    # sweep affordable, since every check runs on every mutation
+    mutate_plan_variants: tuple[str, ...] = ()
 
     def run(self, level: str, progress: Callable[[str], None], **kw) -> Report:
         """Run an implemented level. Everything the runner executes is inside its checks: a level's own cases
@@ -165,6 +168,9 @@ class ParityFamily:
             runner = self.levels.get(level)
             if runner is None or "plan" not in inspect.signature(runner).parameters or not plan:
                 problems.append(f"mutate plan ({level!r}, {plan!r}): the level must be implemented and take --plan")
+        known = set(self.variants()) if self.mutate_plan_variants else set()
+        problems += [f"mutate plan variant {v!r} is not a variant of {self.name}"
+                     for v in self.mutate_plan_variants if v not in known]
         if problems:
             raise FamilyError(f"{where}: " + "; ".join(problems))
         return self

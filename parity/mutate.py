@@ -197,7 +197,8 @@ def family_checks(family: str, root: Path = ROOT) -> list[Check]:
 
     fam = get_family(family)
     checks = [Check(f"run:{lv}", ("run", family, "--level", lv)) for lv in LEVELS if lv in fam.levels]
-    checks += [Check(f"run:{lv}@{plan}", ("run", family, "--level", lv, "--plan", plan))
+    on_variants = tuple(a for v in fam.mutate_plan_variants for a in ("--variant", v))
+    checks += [Check(f"run:{lv}@{plan}", ("run", family, "--level", lv, "--plan", plan, *on_variants))
                for lv, plan in fam.mutate_plans]
     cases = []
     for case_json in sorted((root / "golden").glob("**/case.json")):

@@ -219,3 +219,13 @@ def test_family_plans_are_sweep_checks_and_must_take_a_plan(monkeypatch):
     with pytest.raises(FamilyError, match=r"mutate plan \('C0', 'ulysses2'\)"):
         ParityFamily(name="toy", description="toy", levels={"C0": without_plan}, variants=lambda: ["v"],
                      default_variants=("v",), mutate_plans=(("C0", "ulysses2"),)).validate()
+    # the plan runs may name the variants they use (a sweep runs every check on every mutation)
+    toy = ParityFamily(name="toy", description="toy", levels={"C1": with_plan}, variants=lambda: ["v", "w"],
+                       default_variants=("v", "w"), mutate_plans=(("C1", "cfgp2"),),
+                       mutate_plan_variants=("w",)).validate()
+    monkeypatch.setattr(registry, "get_family", lambda name: toy)
+    assert {c.name: c.argv for c in mutate.family_checks("toy")}["run:C1@cfgp2"] == \
+        ("run", "toy", "--level", "C1", "--plan", "cfgp2", "--variant", "w")
+    with pytest.raises(FamilyError, match="mutate plan variant 'x' is not a variant of toy"):
+        ParityFamily(name="toy", description="toy", levels={"C1": with_plan}, variants=lambda: ["v"],
+                     default_variants=("v",), mutate_plans=(("C1", "cfgp2"),), mutate_plan_variants=("x",)).validate()

@@ -67,4 +67,6 @@ FAMILY = ParityFamily(
     faults=faults.FAULTS + c2.FAULTS + c3.FAULTS, golden_probes=PROBES, check_converted=check_converted,
     component_post_checks=COMPONENT_POST_CHECKS,
     # the CFG-parallel and Ulysses code paths run only under a plan: `fvparity mutate wan` runs these plan runs too
-    mutate_plans=(("C1", "cfgp2"), ("C1", "ulysses2")))
+    mutate_plans=(("C1", "cfgp2"), ("C1", "ulysses2")),
+    # tiny-2.1-t2v holds every plan case (mixed rows, heads4, padded): both plan mutations are caught there
+    mutate_plan_variants=("tiny-2.1-t2v",))
