@@ -1,9 +1,8 @@
-"""Model families known to the converter: how to build, check and serialise each family's config, where
-its CheckpointManifests live, which config mappings its manifests may name, and how its canonical layout
-splits into *parts* (so a format that fills only some of them, e.g. a reasoner-only release, yields a
-clearly labelled partial checkpoint).
-
-Adding a family = one `Family(...)` entry here + manifests under `manifests/<family>/checkpoints/`.
+"""Model families known to the converter, discovered from their folders: each `manifests/<family>/layout.py`
+declares its components (`manifests.layouts.ComponentLayout`: how to build, check and serialise the config, which
+config mappings its manifests may name, how its canonical layout splits into *parts*, so a format that fills only
+some of them, e.g. a reasoner-only release, yields a clearly labelled partial checkpoint), and its
+CheckpointManifests live under `manifests/<family>/checkpoints/`. Nothing here names a family.
 
 A config mapping takes the upstream config (a dict) and returns either the family config (the source
 determines every field) or a dict of the family config fields it determines (a partial config: the rest
@@ -13,7 +12,7 @@ comes from --variant, else the family defaults, and the report lists them).
 from __future__ import annotations
 
 import dataclasses
-import math
+import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,12 @@ from typing import Any, Callable, Mapping
 import torch
 
 from converters.errors import ConversionError
-from manifests.checkpoint import part_names, part_of, split_by_part  # one part logic, shared with the reader
+from manifests.layouts import ComponentLayout, family_layouts, part_names, part_of, split_by_part
 
 
 @dataclass(frozen=True)
 class Family:
+    """One component kind of a model family, as the converter uses it (built from its ComponentLayout)."""
     name: str
     checkpoints_dir: Path                            # manifests/<family>/checkpoints/*.json
     config_from_dict: Callable[[dict], Any]          # canonical config.json -> config (validated)
@@ -41,6 +41,16 @@ class Family:
     parts: tuple[tuple[str, tuple[str, ...], str], ...] = ()  # (part, regexes on canonical keys, what it is)
     placeholder: Callable[[str, tuple[int, ...], torch.Generator], torch.Tensor] | None = None
     component: str = "transformer"                   # the component kind this key set describes (manifests/checkpoint.py)
+
+    @classmethod
+    def from_layout(cls, layout: ComponentLayout) -> "Family":
+        package = importlib.import_module(f"manifests.{layout.family}")
+        return cls(name=layout.family, checkpoints_dir=Path(package.__file__).parent / "checkpoints",
+                   config_from_dict=layout.config_from_dict, config_to_dict=layout.config_to_dict,
+                   key_shapes=layout.key_shapes, fp32_keys=layout.fp32_keys, load_variant=layout.load_variant,
+                   list_variants=layout.list_variants, config_mappings=layout.config_mappings,
+                   layer_key=layout.layer_key, num_layers_field=layout.num_layers_field, parts=layout.parts,
+                   placeholder=layout.placeholder, component=layout.component)
 
     def with_num_layers(self, cfg: Any, n: int) -> Any:
         cfg = dataclasses.replace(cfg, **{self.num_layers_field: n})
@@ -83,220 +93,18 @@ class Family:
         return {p: d for p, _, d in self.parts}
 
 
-# ---------------------------------------------------------------------------------------------
-# cosmos3
-
-from manifests.checkpoint import COSMOS3_PARTS  # noqa: E402  (one definition, shared with the reader)
-
-
-def cosmos3_placeholder(key: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """Seeded stand-in weights for parts a partial checkpoint lacks (used only inside a parity check)."""
-    x = torch.randn(shape, generator=g, dtype=torch.float32)
-    if key.endswith("norm.weight") or key.endswith("norm_for_gen.weight"):
-        return 1.0 + 0.1 * x
-    if len(shape) == 1 or key.startswith(("action_in.", "action_out.")):
-        return 0.1 * x
-    if key.startswith(("embed_tokens", "lm_head")):
-        return 0.5 * x
-    return x / math.sqrt(shape[-1])
-
-
-def _text_config(c: dict) -> dict:
-    tc = c.get("text_config")
-    if tc is None:
-        return c  # a bare text config
-    if not isinstance(tc, dict):
-        raise ValueError("text_config must be an object")
-    return tc
-
-
-def cosmos3_from_transformers_config(c: dict) -> dict[str, Any]:
-    """transformers reasoner config (`Cosmos3OmniConfig`, Qwen3-VL text tower; or `Cosmos3EdgeConfig`,
-    Nemotron-style text tower) -> the Cosmos3Config fields it determines (und pathway only).
-
-    Qwen3-VL text layers always carry q/k RMSNorm and a SiLU-gated MLP; the Edge text tower has neither
-    (relu2 fc1/fc2 MLP). Both use interleaved mRoPE with `mrope_section` = rope_axes_dim.
-    """
-    mt = c.get("model_type")
-    tc = _text_config(c)
-    edge = mt == "cosmos3_edge" or tc.get("model_type") == "cosmos3_edge_text"
-    rp = tc.get("rope_parameters") or {}
-    rs = tc.get("rope_scaling") or {}
-    theta = rp.get("rope_theta", tc.get("rope_theta", 1e8 if edge else 5e6))
-    section = rp.get("mrope_section") or rs.get("mrope_section") or [24, 20, 20]
-    rope_type = rp.get("rope_type") or rs.get("rope_type") or "default"
-    if rope_type not in ("default", "mrope"):
-        raise ValueError(f"rope_type {rope_type!r} is not the plain (default) rotary embedding the canonical model uses")
-    fields: dict[str, Any] = {
-        "hidden_size": tc.get("hidden_size", 2048 if edge else 4096),
-        "num_layers": tc.get("num_hidden_layers", 28 if edge else 32),
-        "num_heads": tc.get("num_attention_heads", 16 if edge else 32),
-        "num_kv_heads": tc.get("num_key_value_heads") or tc.get("num_attention_heads", 16 if edge else 32),
-        "head_dim": tc.get("head_dim", 128),
-        "intermediate_size": tc.get("intermediate_size", 9216 if edge else 22016),
-        "vocab_size": tc.get("vocab_size", 131072 if edge else 151936),
-        "attention_bias": bool(tc.get("attention_bias", False)),
-        "rms_norm_eps": tc.get("rms_norm_eps", 1e-5 if edge else 1e-6),
-        "hidden_act": tc.get("hidden_act", "relu2" if edge else "silu"),
-        "qk_norm_for_text": not edge,
-        "rope_theta": float(theta),
-        "rope_axes_dim": tuple(section),
-    }
-    if edge and tc.get("mlp_bias"):
-        raise ValueError("mlp_bias=true: the canonical cosmos3 MLP has no biases")
-    return fields
-
-
-def _cosmos3() -> Family:
-    from manifests.cosmos3 import config as c3
-    from manifests.cosmos3 import keys as k3
-
-    return Family(
-        name="cosmos3",
-        checkpoints_dir=Path(c3.__file__).parent / "checkpoints",
-        config_from_dict=c3.Cosmos3Config.from_dict,
-        config_to_dict=lambda cfg: cfg.to_dict(),
-        key_shapes=k3.canonical_key_shapes,
-        fp32_keys=k3.fp32_keys,
-        load_variant=c3.load_variant,
-        list_variants=c3.list_variants,
-        config_mappings={"diffusers_transformer_config": c3.Cosmos3Config.from_diffusers_config,
-                         "transformers_reasoner_config": cosmos3_from_transformers_config},
-        layer_key=re.compile(r"^layers\.(\d+)\."),
-        num_layers_field="num_layers",
-        parts=COSMOS3_PARTS,
-        placeholder=cosmos3_placeholder,
-    )
-
-
-def _cosmos3_sound() -> Family:  # the AVAE sound tokenizer (diffusers Cosmos3AVAEAudioTokenizer names); "sound"
-    from manifests.cosmos3 import config as c3
-    from manifests.cosmos3 import sound
-
-    return Family(name="cosmos3", checkpoints_dir=Path(c3.__file__).parent / "checkpoints",
-                  config_from_dict=sound.Cosmos3SoundConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
-                  key_shapes=sound.canonical_key_shapes, fp32_keys=lambda cfg: [], load_variant=sound.load_variant,
-                  list_variants=sound.list_variants,
-                  config_mappings={"cosmos3_sound_config": sound.Cosmos3SoundConfig.from_diffusers_config},
-                  # no truncatable layer list: a pattern that never matches (dec_dim is only read)
-                  layer_key=re.compile(r"(?!)"), num_layers_field="dec_dim", component="sound")
-
-
-def _seedvr2() -> Family:  # the SeedVR2 NaDiT (3B dit_v2 / 7B dit); manifests/seedvr2/checkpoints/
-    from manifests.seedvr2 import config as sc
-    from manifests.seedvr2 import keys as sk
-
-    return Family(name="seedvr2", checkpoints_dir=Path(sc.__file__).parent / "checkpoints",
-                  config_from_dict=sc.NaDiTConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
-                  key_shapes=sk.nadit_key_shapes, fp32_keys=sk.nadit_fp32_keys, load_variant=sc.load_variant,
-                  list_variants=sc.list_variants,
-                  config_mappings={"seedvr2_upstream_nadit_config": sc.nadit_from_upstream_config},
-                  layer_key=re.compile(r"^blocks\.(\d+)\."), num_layers_field="num_layers")
-
-
-def wan_vae_from_config(c: dict) -> Any:
-    """A Wan VAE config.json -> WanVAEConfig: a diffusers `AutoencoderKLWan` config (it has `_class_name` or
-    diffusers' `temperal_downsample` spelling), else our own canonical config (WanVAEConfig.to_dict)."""
-    from manifests.wan.config import WanVAEConfig
-
-    cls_name = c.get("_class_name")
-    if cls_name is not None and cls_name != "AutoencoderKLWan":
-        raise ValueError(f"_class_name is {cls_name!r}, not the AutoencoderKLWan config a Wan VAE needs")
-    if cls_name is not None or "temperal_downsample" in c:
-        return WanVAEConfig.from_diffusers_config(c)
-    return WanVAEConfig.from_dict({k: v for k, v in c.items() if k != "description"})
-
-
-def _wan() -> Family:  # the Wan 2.1 / 2.2 VAE (diffusers AutoencoderKLWan names); manifests/wan/checkpoints/
-    from manifests.wan import config as wc
-    from manifests.wan import keys as wk
-
-    return Family(name="wan", checkpoints_dir=Path(wc.__file__).parent / "checkpoints",
-                  config_from_dict=wc.WanVAEConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
-                  key_shapes=wk.canonical_key_shapes, fp32_keys=lambda cfg: [], load_variant=wc.load_variant,
-                  list_variants=wc.list_variants, config_mappings={"wan_vae_config": wan_vae_from_config},
-                  # a VAE has no truncatable layer list: a pattern that never matches (num_res_blocks is only read)
-                  layer_key=re.compile(r"(?!)"), num_layers_field="num_res_blocks", component="vae")
-
-
-def wan_dit_from_config(c: dict) -> Any:
-    """A DiT config.json -> WanDiTConfig: a diffusers `WanTransformer3DModel` config (`_class_name`, or diffusers'
-    `num_attention_heads` spelling), else our own canonical config (WanDiTConfig.to_dict)."""
-    from manifests.wan.dit import WanDiTConfig
-
-    cls_name = c.get("_class_name")
-    if cls_name is not None and cls_name != "WanTransformer3DModel":
-        raise ValueError(f"_class_name is {cls_name!r}, not the WanTransformer3DModel config a Wan DiT needs")
-    if cls_name is not None or "num_attention_heads" in c:
-        return WanDiTConfig.from_diffusers_config(c)
-    return WanDiTConfig.from_dict({k: v for k, v in c.items() if k != "description"})
-
-
-def wan_umt5_from_config(c: dict) -> Any:
-    """A text-encoder config.json -> UMT5Config: a transformers `UMT5Config` (model_type umt5), else ours."""
-    from manifests.wan.dit import UMT5Config
-
-    if c.get("model_type") is not None or "architectures" in c:
-        if c.get("model_type") not in (None, "umt5"):
-            raise ValueError(f"model_type is {c.get('model_type')!r}, not the umt5 a Wan text encoder needs")
-        return UMT5Config.from_transformers_config(c)
-    return UMT5Config.from_dict({k: v for k, v in c.items() if k != "description"})
-
-
-def _wan_model_variant(pick: Callable[[Any], Any]) -> Callable[[str], Any]:
-    """--variant for a DiT / UMT5 component names a whole wan model variant (manifests/wan/models/)."""
-    def load(name: str) -> Any:
-        from manifests.wan.model import load_model_variant
-        return pick(load_model_variant(name))
-    return load
-
-
-def _wan_model_variants() -> list[str]:
-    from manifests.wan.model import list_model_variants
-    return list_model_variants()
-
-
-def _wan_transformer() -> Family:  # the Wan DiT (diffusers WanTransformer3DModel names); component "transformer"
-    from manifests.wan import config as wc
-    from manifests.wan import dit
-
-    return Family(name="wan", checkpoints_dir=Path(wc.__file__).parent / "checkpoints",
-                  config_from_dict=dit.WanDiTConfig.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
-                  key_shapes=dit.dit_key_shapes, fp32_keys=dit.dit_fp32_keys,
-                  load_variant=_wan_model_variant(lambda m: m.dit), list_variants=_wan_model_variants,
-                  config_mappings={"wan_dit_config": wan_dit_from_config},
-                  layer_key=re.compile(r"^blocks\.(\d+)\."), num_layers_field="num_layers", component="transformer")
-
-
-def _wan_text_encoder() -> Family:  # UMT5 (transformers UMT5EncoderModel names); component "text_encoder"
-    from manifests.wan import config as wc
-    from manifests.wan import dit
-
-    return Family(name="wan", checkpoints_dir=Path(wc.__file__).parent / "checkpoints",
-                  config_from_dict=dit.UMT5Config.from_dict, config_to_dict=lambda cfg: cfg.to_dict(),
-                  key_shapes=dit.umt5_key_shapes, fp32_keys=lambda cfg: [],
-                  load_variant=_wan_model_variant(lambda m: m.text_encoder), list_variants=_wan_model_variants,
-                  config_mappings={"wan_umt5_config": wan_umt5_from_config},
-                  layer_key=re.compile(r"^encoder\.block\.(\d+)\."), num_layers_field="num_layers",
-                  component="text_encoder")
-
-
-# (family, component kind) -> Family; the first component of a family is its default (what `get_family(name)`
-# gives and what a canonical dir without a recorded component holds)
-_FACTORIES: dict[str, dict[str, Callable[[], Family]]] = {
-    "cosmos3": {"transformer": _cosmos3, "sound": _cosmos3_sound},
-    "seedvr2": {"transformer": _seedvr2},
-    "wan": {"vae": _wan, "transformer": _wan_transformer, "text_encoder": _wan_text_encoder},
-}
+# (family, component kind) -> Family, built on first use from the discovered layouts (tests swap entries here)
 _CACHE: dict[tuple[str, str], Family] = {}
 
 
 def family_names() -> list[str]:
-    return sorted(_FACTORIES)
+    return sorted(family_layouts())
 
 
 def component_names(name: str) -> list[str]:
-    return list(_FACTORIES.get(name, {}))
+    """A family's component kinds, its default (first declared) first."""
+    fam = family_layouts().get(name)
+    return [c.component for c in fam.components] if fam is not None else []
 
 
 def family_formats(name: str) -> list[str]:
@@ -306,12 +114,27 @@ def family_formats(name: str) -> list[str]:
 
 def get_family(name: str, component: str | None = None) -> Family:
     """The converter Family of one component kind of a model family (default: the family's first component)."""
-    if name not in _FACTORIES:
+    layouts = family_layouts()
+    if name not in layouts:
         raise ConversionError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
-    comps = _FACTORIES[name]
-    component = component or next(iter(comps))
-    if component not in comps:
-        raise ConversionError(f"{name} has no component {component!r}; components: {', '.join(comps)}")
+    component = component or layouts[name].default_component
+    layout = layouts[name].component(component)
+    if layout is None:
+        raise ConversionError(f"{name} has no component {component!r}; components: "
+                              f"{', '.join(component_names(name))}")
     if (name, component) not in _CACHE:
-        _CACHE[(name, component)] = comps[component]()
+        _CACHE[(name, component)] = Family.from_layout(layout)
     return _CACHE[(name, component)]
+
+
+def __getattr__(attr: str) -> Any:
+    # older names of functions that now live in the family folders (tests import them from here)
+    moved = {"cosmos3_from_transformers_config": ("manifests.cosmos3.layout", "from_transformers_config"),
+             "cosmos3_placeholder": ("manifests.cosmos3.layout", "placeholder"),
+             "wan_vae_from_config": ("manifests.wan.layout", "vae_from_config"),
+             "wan_dit_from_config": ("manifests.wan.layout", "dit_from_config"),
+             "wan_umt5_from_config": ("manifests.wan.layout", "umt5_from_config")}
+    if attr in moved:
+        module, name = moved[attr]
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

@@ -55,178 +55,54 @@ class CheckpointError(ManifestError):
 
 
 # ---------------------------------------------------------------------------------------------
-# canonical layouts: (family, component kind) -> config parser, key set, fp32 keys, parts
+# canonical layouts: each family declares its own in manifests/<family>/layout.py (manifests/layouts.py discovers
+# them); this reader names no family
 
-Part = tuple[str, tuple[str, ...], str]          # (part name, regexes on canonical keys, what it is)
-
-COSMOS3_PARTS: tuple[Part, ...] = (
-    ("und", (r"^embed_tokens\.", r"^lm_head\.", r"^und_norm\.", r"^layers\.\d+\.und\.(?!k_norm_for_gen\.)"),
-     "understanding (reasoner) pathway: token embedding, und attention/MLP/norms of every layer, final und norm, "
-     "lm_head"),
-    ("gen", (r"^gen_norm\.", r"^layers\.\d+\.gen\.", r"^layers\.\d+\.und\.k_norm_for_gen\.", r"^time_embed\."),
-     "generation pathway: gen attention/MLP/norms of every layer, und k-norm used by gen, final gen norm, "
-     "timestep MLP"),
-    ("vision_heads", (r"^vision_(in|out)\.",), "vision latent projections in/out"),
-    ("sound_heads", (r"^sound_",), "sound latent projections and modality embedding"),
-    ("action_heads", (r"^action_",), "action (DomainAwareLinear) projections and modality embedding"),
-)
-
-
-def part_names(parts: tuple[Part, ...]) -> tuple[str, ...]:
-    """The part names of a layout; a layout without parts has the one part "all"."""
-    return tuple(p for p, _, _ in parts) or ("all",)
-
-
-def part_of(parts: tuple[Part, ...], key: str) -> str | None:
-    """The part a canonical key belongs to (the first whose regexes match); None when no part claims it."""
-    import re
-
-    for name, pats, _ in parts:
-        if any(re.search(p, key) for p in pats):
-            return name
-    return None if parts else "all"
-
-
-def split_by_part(parts: tuple[Part, ...], keys, which: Callable[[str], str]) -> dict[str, list[str]]:
-    """{part: keys}, in part order; parts with no key are left out. `which` names a key's part (or raises)."""
-    out: dict[str, list[str]] = {p: [] for p in part_names(parts)}
-    for k in keys:
-        out[which(k)].append(k)
-    return {p: ks for p, ks in out.items() if ks}
-
-
-@dataclass(frozen=True)
-class ComponentLayout:
-    """How one kind of component of a family is stored canonically."""
-    family: str
-    component: str                                           # transformer | text_encoder | vae
-    config_from_dict: Callable[[dict], Any]                   # canonical config.json -> validated config
-    key_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
-    fp32_keys: Callable[[Any], list[str]] = lambda cfg: []
-    parts: tuple[Part, ...] = ()
-
-    @property
-    def part_names(self) -> tuple[str, ...]:
-        return part_names(self.parts)
-
-    def part_of(self, key: str) -> str:
-        name = part_of(self.parts, key)
-        if name is None:
-            raise CheckpointError(f"{self.family}: canonical key {key!r} belongs to no part (layout definition bug)")
-        return name
-
-    def part_keys(self, cfg: Any) -> dict[str, list[str]]:
-        """{part: its canonical keys for this config}, in part order; parts with no key are left out."""
-        return split_by_part(self.parts, self.key_shapes(cfg), self.part_of)
-
-
-def _no_description(parse: Callable[[dict], Any]) -> Callable[[dict], Any]:
-    return lambda d: parse({k: v for k, v in d.items() if k != "description"})
-
-
-def _cosmos3_transformer() -> ComponentLayout:
-    from manifests.cosmos3 import config as c, keys as k
-    return ComponentLayout("cosmos3", "transformer", c.Cosmos3Config.from_dict, k.canonical_key_shapes, k.fp32_keys,
-                           COSMOS3_PARTS)
-
-
-def _seedvr2_transformer() -> ComponentLayout:
-    from manifests.seedvr2 import config as c, keys as k
-    return ComponentLayout("seedvr2", "transformer", c.NaDiTConfig.from_dict, k.nadit_key_shapes, k.nadit_fp32_keys)
-
-
-def _wan_vae() -> ComponentLayout:
-    from manifests.wan import config as c, keys as k
-    return ComponentLayout("wan", "vae", _no_description(c.WanVAEConfig.from_dict), k.canonical_key_shapes)
-
-
-def _wan_transformer() -> ComponentLayout:
-    from manifests.wan import dit
-    return ComponentLayout("wan", "transformer", _no_description(dit.WanDiTConfig.from_dict), dit.dit_key_shapes,
-                           dit.dit_fp32_keys)
-
-
-def _cosmos3_sound() -> ComponentLayout:
-    from manifests.cosmos3 import sound
-    return ComponentLayout("cosmos3", "sound", _no_description(sound.Cosmos3SoundConfig.from_dict),
-                           sound.canonical_key_shapes)
-
-
-def _wan_text_encoder() -> ComponentLayout:
-    from manifests.wan import dit
-    return ComponentLayout("wan", "text_encoder", _no_description(dit.UMT5Config.from_dict), dit.umt5_key_shapes)
-
-
-_LAYOUTS: dict[tuple[str, str], Callable[[], ComponentLayout]] = {
-    ("cosmos3", "transformer"): _cosmos3_transformer,
-    ("cosmos3", "sound"): _cosmos3_sound,
-    ("seedvr2", "transformer"): _seedvr2_transformer,
-    ("wan", "vae"): _wan_vae,
-    ("wan", "transformer"): _wan_transformer,
-    ("wan", "text_encoder"): _wan_text_encoder,
-}
-# the component a family's single-component dir holds when its manifest.json names none (written before
-# components were recorded: the wan VAE was wan's only converted component)
-DEFAULT_COMPONENT = {"cosmos3": "transformer", "seedvr2": "transformer", "wan": "vae"}
-_LAYOUT_CACHE: dict[tuple[str, str], ComponentLayout] = {}
+from manifests.layouts import (ComponentLayout, FamilyLayout, ModelLayout, Part, family_layouts,  # noqa: E402
+                               part_names, part_of, split_by_part)
 
 
 def family_names() -> list[str]:
-    return sorted(DEFAULT_COMPONENT)
+    return sorted(family_layouts())
+
+
+def _family_layout(family: str, where: str = "") -> FamilyLayout:
+    layouts = family_layouts()
+    if family not in layouts:
+        raise CheckpointError(f"{where}unknown model family {family!r}; known families: {', '.join(family_names())}")
+    return layouts[family]
+
+
+def default_component(family: str) -> str:
+    """The component a family's single-component dir holds when its manifest.json names none (the family's first
+    declared component: dirs written before components were recorded held it)."""
+    return _family_layout(family).default_component
 
 
 def component_kinds(family: str) -> list[str]:
-    return sorted(c for f, c in _LAYOUTS if f == family)
+    return sorted(c.component for c in _family_layout(family).components)
 
 
 def get_layout(family: str, component: str | None = None) -> ComponentLayout:
-    if family not in DEFAULT_COMPONENT:
-        raise CheckpointError(f"unknown model family {family!r}; known families: {', '.join(family_names())}")
-    component = component or DEFAULT_COMPONENT[family]
-    key = (family, component)
-    if key not in _LAYOUTS:
+    fam = _family_layout(family)
+    layout = fam.component(component or fam.default_component)
+    if layout is None:
         raise CheckpointError(f"{family} has no component {component!r}; components: "
                               f"{', '.join(component_kinds(family))}")
-    if key not in _LAYOUT_CACHE:
-        _LAYOUT_CACHE[key] = _LAYOUTS[key]()
-    return _LAYOUT_CACHE[key]
+    return layout
 
 
-# whole-model configs of a model directory: family -> (parse, {component name: (kind, config)} of a parsed config);
-# a kind "family:kind" is a component stored with another family's layout (the cosmos3 VAE is a wan VAE)
-
-def _wan_model() -> tuple[Callable[[dict], Any], Callable[[Any], dict[str, tuple[str, Any]]]]:
-    from manifests.wan.model import WanModelConfig
-
-    def components(cfg) -> dict[str, tuple[str, Any]]:
-        out = {"transformer": ("transformer", cfg.dit), "text_encoder": ("text_encoder", cfg.text_encoder),
-               "vae": ("vae", cfg.vae)}
-        if cfg.dit_2 is not None:
-            out["transformer_2"] = ("transformer", cfg.dit_2)
-        return out
-    return WanModelConfig.from_dict, components
-
-
-def _cosmos3_model() -> tuple[Callable[[dict], Any], Callable[[Any], dict[str, tuple[str, Any]]]]:
-    from manifests.cosmos3.model import Cosmos3ModelConfig
-
-    def components(cfg) -> dict[str, tuple[str, Any]]:
-        # the VAE is a diffusers AutoencoderKLWan: stored (and read) with the wan VAE layout ("family:kind")
-        out = {"transformer": ("transformer", cfg.transformer), "vae": ("wan:vae", cfg.vae)}
-        if cfg.sound is not None:
-            out["sound_tokenizer"] = ("sound", cfg.sound)
-        return out
-    return Cosmos3ModelConfig.from_dict, components
-
-
-_MODELS: dict[str, Callable[[], tuple]] = {"wan": _wan_model, "cosmos3": _cosmos3_model}
+def model_families() -> list[str]:
+    """The families with a whole-model directory format (a declared ModelLayout)."""
+    return sorted(n for n, f in family_layouts().items() if f.model is not None)
 
 
 def model_config_parser(family: str) -> tuple[Callable[[dict], Any], Callable[[Any], dict[str, tuple[str, Any]]]]:
-    if family not in _MODELS:
+    model = family_layouts()[family].model if family in family_layouts() else None
+    if model is None:
         raise CheckpointError(f"family {family!r} has no whole-model directory format; known: "
-                              f"{', '.join(sorted(_MODELS))}")
-    return _MODELS[family]()
+                              f"{', '.join(model_families())}")
+    return model.config_from_dict, model.components
 
 
 def weights_version_of(entries: Iterable[tuple[str, str]]) -> str:
@@ -264,7 +140,7 @@ class ComponentCheckpoint:
 
     def typed_config(self) -> Any:
         try:
-            return self.layout.config_from_dict(self.config)
+            return self.layout.read_config(self.config)
         except ManifestError as e:
             raise CheckpointError(f"{self.path / CONFIG_NAME}: {e}") from None
 
@@ -342,14 +218,12 @@ def _read_component(root: Path, name: str | None = None, family: str | None = No
     fam = rec.get("family", family or LEGACY_FAMILY)
     if family is not None and fam != family:
         raise CheckpointError(f"{mpath}: a {fam} checkpoint, not {family}")
-    if fam not in DEFAULT_COMPONENT:
-        raise CheckpointError(f"{mpath}: unknown family {fam!r}; known families: {', '.join(family_names())}")
-    kind = rec.get("component") or DEFAULT_COMPONENT[fam]
+    kind = rec.get("component") or _family_layout(fam, f"{mpath}: ").default_component
     layout = get_layout(fam, kind)
     config = _json_object(root / CONFIG_NAME, "config file")
     parts = rec.get("parts")
     try:
-        cfg = layout.config_from_dict(config)
+        cfg = layout.read_config(config)
     except ManifestError as e:
         raise CheckpointError(f"{root / CONFIG_NAME}: {e}") from None
     if parts is None:
@@ -393,8 +267,8 @@ def read_checkpoint(path: str | Path, family: str | None = None) -> CanonicalChe
                                    weights_version=comp.weights_version, partial=comp.partial)
     data = _json_object(index, "model index")
     fam = data.get("family")
-    if fam not in _MODELS:
-        raise CheckpointError(f"{index}: unknown family {fam!r} for a model directory; known: {', '.join(sorted(_MODELS))}")
+    if fam not in model_families():
+        raise CheckpointError(f"{index}: unknown family {fam!r} for a model directory; known: {', '.join(model_families())}")
     if family is not None and fam != family:
         raise CheckpointError(f"{index}: a {fam} model, not {family}")
     if data.get("format_version") != FORMAT_VERSION:
@@ -611,7 +485,8 @@ def load_state(path_or_ckpt: str | Path | CanonicalCheckpoint, component: str | 
     return out
 
 
-__all__ = ["CanonicalCheckpoint", "CheckpointError", "ComponentCheckpoint", "ComponentLayout", "COSMOS3_PARTS",
-           "DEFAULT_COMPONENT", "FORMAT_VERSION", "MODEL_INDEX", "component_kinds", "family_names", "get_layout",
+__all__ = ["CanonicalCheckpoint", "CheckpointError", "ComponentCheckpoint", "ComponentLayout", "FamilyLayout",
+           "ModelLayout", "Part", "default_component", "FORMAT_VERSION", "model_families", "part_names", "part_of",
+           "split_by_part", "MODEL_INDEX", "component_kinds", "family_names", "get_layout",
            "load_state", "model_config_parser", "read_checkpoint", "TensorEntry", "tensor_index",
            "weights_version_of"]
