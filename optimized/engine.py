@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from optimized.programs import VIDEO_PHASES, start_video
 from optimized.registry import UnknownFamily, family, family_of_config, family_of_variant
 from optimized.runtime.events import Event, EventBus
 from optimized.runtime.family import FamilyEntry, LoopOptions
@@ -29,7 +30,6 @@ __all__ = ["Engine", "RequestHandle", "RequestRejected", "UnknownRequest", "chec
 
 ENGINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what every family's kernels run in
 HOST_MEMORY_BUDGET = 8 << 30     # a CPU engine's default budget (pass memory_budget_bytes to change it)
-VIDEO_PHASES = ("denoise", "decode", "artifact")   # what a whole video program costs (FamilyEntry.request_cost)
 
 
 def check_dtype(dtype: Any) -> torch.dtype:
@@ -251,7 +251,6 @@ class Engine:
 
     def start_video(self, request: Any, out: Any = None, **kw: Any) -> Any:
         """[encode] -> denoise -> decode as scheduled work; a VideoProgram (`.result()`, `.cancel()`, events)."""
-        from optimized.programs import start_video
         return start_video(self, request, out=out, **kw)
 
     def generate_video(self, request: Any, out: Any = None, **kw: Any) -> Any:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # annotations only: the engine imports this module, never the other way round
     from optimized.engine import Engine, RequestHandle
+
+VIDEO_PHASES = ("denoise", "decode", "artifact")   # what a whole video program costs (FamilyEntry.request_cost)
 
 
 @dataclass
@@ -201,7 +203,7 @@ class VideoProgram:
 
     # ---- stages
     def start(self) -> "VideoProgram":
-        from optimized.engine import VIDEO_PHASES, RequestRejected
+        from optimized.runtime.scheduler import RequestRejected
         try:
             self.denoise_loop = self.engine.family.loop_for(self.request)
         except TypeError as e:

@@ -17,7 +17,7 @@ from optimized.parallel.launch import run_ranks
 from optimized.parallel.mesh import build_mesh
 from optimized.parallel.plan import ParallelPlan
 from optimized.runtime.scheduler import run_requests
-from optimized.solvers.guidance import make_policy
+from optimized.solvers.policies import make_policy
 from parity.parallel_faults import planted
 
 VARIANT, SEED, REL_L2 = "tiny-2.1-t2v", 0, 1e-5

@@ -13,7 +13,7 @@ import torch
 from manifests.checkpoint import load_state, read_checkpoint
 from manifests.wan import dit_key_shapes, load_model_variant
 from optimized.models.wan import PARALLELISM, parallelize
-from optimized.models.wan.instance import WanModelInstance
+from optimized.models.wan.instance import WanModelInstance, load_sharded_instance
 from optimized.models.wan.transformer import WanDiTFast
 from optimized.parallel.group import AxisGroup
 from optimized.parallel.launch import run_ranks
@@ -118,7 +118,7 @@ def _forward_worker(group, runs: list[tuple[str, str, dict, str | None]]) -> lis
         mesh = build_mesh(ParallelPlan.parse(plan_name))
         cfg = load_model_variant(variant)
         cfg = replace(cfg, dit=replace(cfg.dit, **changes))
-        instance = parallelize.load_sharded_instance(ckpt, mesh) if ckpt else WanModelInstance.random(cfg, 0)
+        instance = load_sharded_instance(ckpt, mesh) if ckpt else WanModelInstance.random(cfg, 0)
         PARALLELISM(instance, mesh)
         out.append(instance.dit.forward_batch(*dit_inputs(cfg.dit)))
     return out

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from optimized.parallel.group import AxisGroup
-from optimized.solvers.guidance import CFG_POLICIES, BatchedCFG, CFGPolicy, ForwardBatch
+from optimized.solvers.guidance import BatchedCFG, CFGPolicy, ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -156,5 +156,3 @@ class CFGParallel(CFGPolicy):
         """[start, end) of the rows (cond then uncond) this rank runs."""
         return split_rows(n_rows, self.group.world_size)[self.group.rank]
 
-
-CFG_POLICIES[CFGParallel.name] = CFGParallel   # make_policy("cfg-parallel"): a degree-1 group until given one

@@ -65,15 +65,6 @@ class IdentityCFG(CFGPolicy):
         return list(forward_batch(list(cond))), []
 
 
-CFG_POLICIES: dict[str, type[CFGPolicy]] = {p.name: p for p in (TwoForwardCFG, BatchedCFG, IdentityCFG)}
-
-
-def make_policy(policy: CFGPolicy | str) -> CFGPolicy:
-    """A policy instance from itself or its name (ValueError naming the known ones)."""
-    if isinstance(policy, CFGPolicy):
-        return policy
-    if policy == "cfg-parallel" and policy not in CFG_POLICIES:  # registers itself; lives with the process groups
-        import optimized.parallel.cfg_parallel  # noqa: F401
-    if policy not in CFG_POLICIES:
-        raise ValueError(f"unknown CFG policy {policy!r}; known: {', '.join(sorted(CFG_POLICIES))}")
-    return CFG_POLICIES[policy]()
+SINGLE_PROCESS_POLICIES: dict[str, type[CFGPolicy]] = {p.name: p for p in (TwoForwardCFG, BatchedCFG, IdentityCFG)}
+# the name -> policy table with CFG-parallel is optimized/solvers/policies.py (it needs optimized/parallel, which
+# builds on this module)

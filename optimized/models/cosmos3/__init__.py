@@ -73,7 +73,7 @@ def _extent(request) -> RequestExtent | None:
 
 def _load_sharded(path, mesh, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Cosmos3Fast:
     """This tp rank's Cosmos3Fast read from a canonical checkpoint as slices only (tp.py)."""
-    from optimized.models.cosmos3.tp import load_sharded
+    from optimized.models.cosmos3.model import load_sharded
     return load_sharded(path, mesh, device, dtype)
 
 

@@ -20,7 +20,8 @@ from optimized.runtime.cache import CacheKey
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan, per_rank_share
 from optimized.solvers import sde as sde_solver
 from optimized.solvers import unipc
-from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
+from optimized.solvers.guidance import CFGPolicy, cfg_combine
+from optimized.solvers.policies import make_policy
 from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_header, one_at_a_time
 
 MODALITIES = ("vision", "sound", "action")

@@ -25,7 +25,8 @@ import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 from optimized.attention import attend, check_backend, key_padding_mask
 from optimized.models.cosmos3 import ops, packing
 from optimized.parallel.tp import row_parallel
+from optimized.models.cosmos3.tp import read_sharded_state, set_tp_layout, sharded_component
 from optimized.models.cosmos3.spec import (
     MODEL_ID, TRANSFORMER, UND_KV_CONTRACT_VERSION, cosmos3_model_spec,
 )
@@ -122,7 +124,6 @@ class Cosmos3Fast:
         self.spec = cosmos3_model_spec(cfg)
         component = self.spec.component(TRANSFORMER)
         if tp is not None and tp.world_size > 1:
-            from optimized.models.cosmos3.tp import sharded_component
             component = sharded_component(component, cfg, tp)
         self.params = apply_load_transforms(component, state_dict, dtype=dtype, device=self.device)
         self.weights_version = weights_version or state_dict_hash(state_dict)
@@ -143,7 +144,6 @@ class Cosmos3Fast:
         self.tp = None                  # the tp AxisGroup under tp > 1 (tp.py): this rank holds heads / tp
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads   # this rank's (tp.py shards them)
         if tp is not None and tp.world_size > 1:
-            from optimized.models.cosmos3.tp import set_tp_layout
             set_tp_layout(self, tp)
         self.parallel_plan_hash = "single"   # the layout this instance runs (parallelize.py): in every und CacheKey
         self._geometries: OrderedDict[tuple, packing.BatchGeometry] = OrderedDict()
@@ -561,3 +561,20 @@ def run_layer(model: Cosmos3Fast, index: int, und_hidden: torch.Tensor, gen_hidd
               position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Module-level form of `Cosmos3Fast.run_layer`."""
     return model.run_layer(index, und_hidden, gen_hidden, position_ids)
+
+
+def load_sharded(path: str | Path, mesh: Any, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A canonical cosmos3 checkpoint (a transformer dir or a whole-model dir) as this tp rank's Cosmos3Fast, its
+    sharded keys read as slices only (the family contract's `load_sharded`)."""
+    from manifests.checkpoint import CheckpointError, read_checkpoint
+
+    ckpt = read_checkpoint(path, family="cosmos3")
+    if ckpt.partial:
+        raise CheckpointError(f"{path}: a partial checkpoint; tensor-parallel loading needs every part")
+    cfg = ckpt.typed_config()
+    if ckpt.is_model:
+        cfg = cfg.transformer
+    comp = ckpt.component("transformer" if ckpt.is_model else None)
+    tp = mesh.axis("tp")
+    state = read_sharded_state(comp, cfg, tp)   # tp.py
+    return Cosmos3Fast(cfg, state, device=device, dtype=dtype, weights_version=ckpt.weights_version, tp=tp)

@@ -20,7 +20,7 @@ their canonical sources, each sliced by `tp_slice`, and fused again, so a rank k
     shard_params(component, params, cfg, tp)     loaded (transformed) params -> this rank's (in memory)
     attach_tp(fast, mesh)                        shard an instance in place (the parallelize hook, tp > 1)
     read_sharded_state(comp, cfg, tp)            this rank's slices read from the canonical safetensors files
-    load_sharded(path, mesh, ...)                a Cosmos3Fast that never holds the full sharded weights
+(model.py `load_sharded` builds a Cosmos3Fast from the third, so a rank never holds the full sharded weights.)
 
 `tp_slice` is the declared seam for negative controls (parity/families/cosmos3/faults.py: tp-wrong-slice).
 """
@@ -28,7 +28,6 @@ their canonical sources, each sliced by `tp_slice`, and fused again, so a rank k
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,24 +118,6 @@ def read_sharded_state(comp, cfg: Cosmos3Config, tp: AxisGroup) -> dict[str, tor
     """This rank's slice of every canonical transformer key (`tp_slice`, looked up at call time: the fault seam)."""
     return read_sharded(comp, canonical_key_shapes(cfg), lambda key, shape: tp_slice(key, shape, tp, cfg),
                         "transformer")
-
-
-def load_sharded(path: str | Path, mesh: Any, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """A canonical cosmos3 checkpoint (a transformer dir or a whole-model dir) as this tp rank's Cosmos3Fast, its
-    sharded keys read as slices only (the family contract's `load_sharded`)."""
-    from manifests.checkpoint import CheckpointError, read_checkpoint
-    from optimized.models.cosmos3.model import Cosmos3Fast
-
-    ckpt = read_checkpoint(path, family="cosmos3")
-    if ckpt.partial:
-        raise CheckpointError(f"{path}: a partial checkpoint; tensor-parallel loading needs every part")
-    cfg = ckpt.typed_config()
-    if ckpt.is_model:
-        cfg = cfg.transformer
-    comp = ckpt.component("transformer" if ckpt.is_model else None)
-    tp = mesh.axis("tp")
-    state = read_sharded_state(comp, cfg, tp)
-    return Cosmos3Fast(cfg, state, device=device, dtype=dtype, weights_version=ckpt.weights_version, tp=tp)
 
 
 def set_tp_layout(fast: Any, tp: AxisGroup) -> None:

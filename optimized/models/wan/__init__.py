@@ -101,7 +101,7 @@ PARALLELISM = _WanParallelism(
 
 
 def _load_sharded(path, mesh, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    from optimized.models.wan.parallelize import load_sharded_instance
+    from optimized.models.wan.instance import load_sharded_instance
     return load_sharded_instance(path, mesh, device, dtype)
 
 

@@ -29,7 +29,8 @@ from optimized.runtime.cache import CacheKey
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan, per_rank_share
 from optimized.solvers import euler, unipc
 from optimized.solvers import sde as sde_solver
-from optimized.solvers.guidance import CFGPolicy, cfg_combine, make_policy
+from optimized.solvers.guidance import CFGPolicy, cfg_combine
+from optimized.solvers.policies import make_policy
 from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_header, one_at_a_time
 
 LOOP_ID = "wan.denoise"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 
 from manifests.wan import WanModelConfig, canonical_key_shapes, dit_key_shapes, umt5_key_shapes
+from optimized.models.wan.parallelize import read_sharded_state
 from optimized.models.wan.text_encoder import UMT5Fast
 from optimized.models.wan.transformer import WanDiTFast
 from optimized.models.wan.vae import FastWanVAE, load_fast_vae
@@ -115,3 +117,17 @@ class WanModelInstance:
         """Seeded random weights (benchmarks at released sizes; CPU smoke runs)."""
         digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
         return cls(cfg, cls.random_weights(cfg, seed), device, dtype, weights_version=f"random:{digest}:{seed}", **kw)
+
+
+def load_sharded_instance(path: str | Path, mesh, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """A whole-model canonical checkpoint as one tp rank's WanModelInstance: each DiT expert read as this rank's
+    slices (parallelize.py `read_sharded_state`), UMT5 and the VAE whole (they replicate)."""
+    from manifests.checkpoint import load_state, read_checkpoint
+
+    ckpt = read_checkpoint(path, family="wan")
+    cfg = ckpt.typed_config()
+    tp = mesh.axis("tp")
+    dits = {TRANSFORMER: cfg.dit, TRANSFORMER_2: cfg.dit_2}
+    weights = {name: read_sharded_state(ckpt, name, dits[name], tp) if name in dits else
+               load_state(ckpt, component=name, check_finite=True) for name in component_names(cfg)}
+    return WanModelInstance(cfg, weights, device, dtype, ckpt.weights_version, tp=tp)

@@ -11,7 +11,8 @@ norm (wan normalises across all heads) all-reduces its sum of squares (optimized
 
     shard_params(component, params, tp)              an already loaded DiT's params -> this rank's (in memory)
     read_sharded_state(ckpt, component, cfg, tp)     this rank's slices read from the canonical safetensors files
-    load_sharded_instance(path, mesh, ...)           a whole WanModelInstance whose DiT(s) never hold full weights
+(instance.py `load_sharded_instance` builds a whole WanModelInstance from the second, so the DiT never holds full
+weights.)
 
 `tp_slice` is the declared seam for negative controls (parity/families/wan/faults.py: tp-wrong-slice).
 """
@@ -19,7 +20,6 @@ norm (wan normalises across all heads) all-reduces its sum of squares (optimized
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -89,18 +89,3 @@ def read_sharded_state(ckpt, component: str | None, cfg: WanDiTConfig, tp: AxisG
     """This rank's slice of every canonical DiT key (`tp_slice`, looked up at call time: the fault seam)."""
     return read_sharded(ckpt.component(component), dit_key_shapes(cfg), lambda key, shape: tp_slice(key, shape, tp),
                         "DiT")
-
-
-def load_sharded_instance(path: str | Path, mesh, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """A whole-model canonical checkpoint as one tp rank's WanModelInstance: each DiT expert read as this rank's
-    slices (`read_sharded_state`), UMT5 and the VAE whole (they replicate)."""
-    from manifests.checkpoint import load_state, read_checkpoint
-    from optimized.models.wan.instance import TRANSFORMER, TRANSFORMER_2, WanModelInstance, component_names
-
-    ckpt = read_checkpoint(path, family="wan")
-    cfg = ckpt.typed_config()
-    tp = mesh.axis("tp")
-    dits = {TRANSFORMER: cfg.dit, TRANSFORMER_2: cfg.dit_2}
-    weights = {name: read_sharded_state(ckpt, name, dits[name], tp) if name in dits else
-               load_state(ckpt, component=name, check_finite=True) for name in component_names(cfg)}
-    return WanModelInstance(cfg, weights, device, dtype, ckpt.weights_version, tp=tp)

@@ -36,6 +36,7 @@ from optimized.attention import attend, check_backend
 from optimized.parallel.group import AxisGroup
 from optimized.parallel.sp import key_mask_shard, shard_sequence, sp_attention, sp_index
 from optimized.parallel.tp import row_parallel, sharded_rms_norm
+from optimized.models.wan.parallelize import shard_params, sharded_component
 from optimized.models.wan.spec import DIT, dit_component
 from optimized.runtime.cache import state_dict_hash
 from optimized.runtime.compile import GRAPH_MODES, CompileCache, GraphKey
@@ -107,7 +108,6 @@ class WanDiTFast:
         self.component = dit_component(cfg, component_id)
         self.tp: AxisGroup | None = None       # a tp axis of degree > 1: this rank holds heads / tp and ffn / tp
         if tp is not None and tp.world_size > 1:
-            from optimized.models.wan.parallelize import sharded_component
             self.component, self.tp = sharded_component(self.component, cfg, tp), tp
         self.params = apply_load_transforms(self.component, state, dtype=dtype, device=self.device)
         self.weights_version = weights_version or state_dict_hash(state)
@@ -130,7 +130,6 @@ class WanDiTFast:
         """Keep only this tp rank's shard of the loaded weights (parallelize.shard_params); the rest is freed."""
         if tp.world_size == 1 or self.tp is not None:
             return self
-        from optimized.models.wan.parallelize import shard_params, sharded_component
         self.params = shard_params(self.component, self.params, tp)
         self.component, self.tp = sharded_component(self.component, self.cfg, tp), tp
         self.blocks = [self._block(i) for i in range(self.cfg.num_layers)]

@@ -89,7 +89,7 @@ def replay_batched_forward(fast, cfg_policy: str, cond: list[Cosmos3ForwardInput
     """Re-run one step's batched forward(s) exactly as the engine composed them (the batch mates' cond inputs,
     then the guided ones' uncond inputs, through the same CFG policy) and return the trace of `target`'s
     sample in the call that carried it."""
-    from optimized.solvers.guidance import make_policy
+    from optimized.solvers.policies import make_policy
     records: dict = {}
 
     def forward(inputs):

@@ -46,7 +46,8 @@ from optimized.parallel.plan import ParallelPlan, ParallelPlanError
 from parity.errors import SetupError
 from manifests import ManifestError
 from parity.families.wan import cases as case_lib, common, faults
-from parity.families.wan.c1 import LoopCase, run_engine_case, run_reference, schedule_checks, trajectory_checks
+from parity.families.wan.cases import LoopCase
+from parity.families.wan.trajectory import run_engine_case, run_reference, schedule_checks, trajectory_checks
 from parity.families.wan.common import (DiTInputs, ModelUnderTest, contract_tolerance, engine_for, make_request,
                                         reference_pipeline, run_optimized_dit, run_reference_dit)
 from parity.engine_events import no_batch_failed_check
@@ -227,7 +228,7 @@ def _rank_engine(m: ModelUnderTest, mesh, dname: str, seed: int, policy, checkpo
     if mesh.plan.tp > 1 and checkpoint:
         import optimized
         from optimized.models.wan import FAMILY
-        from optimized.models.wan.parallelize import load_sharded_instance
+        from optimized.models.wan.instance import load_sharded_instance
 
         return optimized.Engine(load_sharded_instance(checkpoint, mesh, "cpu", DTYPES[dname]), FAMILY,
                                 cfg_policy=policy, batching="greedy")
