@@ -18,7 +18,7 @@ import click
 from converters.engine import DEFAULT_MAX_SHARD_BYTES, DTYPE_ALIASES, convert
 from converters.errors import ConversionError, ParityCheckFailed
 from converters.families import family_formats, family_names, get_family
-from converters.hooks import get_post_check
+from converters.hooks import MissingPostCheck, get_post_check
 from converters.inspect import human_bytes, human_count, inspect_source
 from converters.manifest import load_manifest
 from converters.pipeline import PIPELINE, detect_format
@@ -194,17 +194,17 @@ def _make_family_command(fam_name: str) -> click.Command:
         if variant is not None and variant not in fam.list_variants():
             raise ConversionError(f"unknown variant {variant!r} for {fam_name}; known: {', '.join(fam.list_variants())}")
         shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD_BYTES
+        # the family's parity entry names its post-check (converters/hooks.py); none declared: exit 2, never "not run"
         post = None if skip_parity else get_post_check(manifest.post_check_name)
-        if post is None and not skip_parity and manifest.parity.required:
-            raise ConversionError(f"manifest {manifest.id} requires {manifest.parity.level} parity after conversion, but "
-                                  f"no post-check is wired for {manifest.post_check_name!r} (entry point group "
-                                  f"fvconvert.post_check; install the package with `pip install -e .`), or pass "
-                                  f"--skip-parity to convert without it")
+        if post is None and not skip_parity:    # an override that gives nothing is as missing as none declared
+            raise MissingPostCheck(f"manifest {manifest.id} requires {manifest.parity.level} parity after conversion, "
+                                   f"but no post-check {manifest.post_check_name!r} is declared (parity.families."
+                                   f"{fam_name}.FAMILY); pass --skip-parity to convert without it")
         bar = _progress_bar(quiet)
         report = convert(fam_name, manifest, src, out, config=config, variant=variant, dtype=dtype, force=force,
                          allow_truncate=allow_truncate, allow_nonfinite=allow_nonfinite, keep_sidecars=keep_sidecars,
                          post_check=post, skip_parity=skip_parity, max_shard_bytes=shard_bytes,
-                         progress=_progress(quiet), progress_update=bar, missing_post_check="not run")
+                         progress=_progress(quiet), progress_update=bar)
         d = report.dtypes
         click.echo(f"converted {fam_name}/{manifest.format} {src} -> {out}")
         click.echo(f"  tensors: {report.num_output_keys} written from {report.num_source_keys} source keys "

@@ -1,17 +1,16 @@
 """Every registered ParityFamily provides every part it declares, and everything derived from the entries
-(`fvparity list`, the golden probe table, the fvconvert post-check entry points) agrees with them."""
+(`fvparity list`, the golden probe table, the fvconvert post-checks found at run time) agrees with them."""
 
 import ast
 import json
 import shutil
 import sys
-import tomllib
 from importlib import import_module
 
 import pytest
 
 from parity.errors import SetupError
-from parity.families import discover, families, golden_probes, post_check_entry_points
+from parity.families import discover, families, golden_probes, post_checks
 from parity.family import Fault, FamilyError, ParityFamily
 from tests.conftest import ROOT
 
@@ -76,17 +75,35 @@ def test_unknown_golden_probe_is_a_setup_error(tmp_path):
         run_golden_cases([case], ("reference",), _quiet)
 
 
-def test_post_check_entry_points_match_the_entries():
-    """converters/ may not import parity/, so fvconvert finds post-checks through pyproject entry points;
-    they must be exactly the families' check_converted."""
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["fvconvert.post_check"]
-    assert declared == post_check_entry_points()
-    checks = {n: f.check_converted for n, f in families().items() if f.check_converted is not None}
-    checks.update({ep: fn for f in families().values() for ep, fn in f.component_post_checks.items()})
-    assert set(checks) == set(declared)
-    for name, target in declared.items():
-        module, attr = target.split(":")
-        assert getattr(import_module(module), attr) is checks[name]
+# manifests whose post-check no parity entry declares yet: fvconvert refuses them without --skip-parity (exit 2)
+UNWIRED_POST_CHECKS = {"cosmos3.sound", "seedvr2"}
+
+
+def test_fvconvert_finds_every_post_check_from_the_entries():
+    """converters/ may not import parity/, so fvconvert looks a manifest's post-check up at run time in
+    parity.families.<family>.FAMILY: what it finds must be exactly the entries' checks, with no entry point."""
+    from converters.families import family_formats, family_names
+    from converters.hooks import MissingPostCheck, get_post_check
+    from converters.manifest import load_manifest
+
+    checks = post_checks()
+    assert {"cosmos3", "wan", "wan.transformer", "wan.text_encoder"} <= set(checks)
+    for name, fn in checks.items():
+        assert get_post_check(name) is fn, name
+    named = {load_manifest(f, fmt).post_check_name for f in family_names() for fmt in family_formats(f)}
+    assert named - set(checks) == UNWIRED_POST_CHECKS
+    for name in UNWIRED_POST_CHECKS:
+        with pytest.raises(MissingPostCheck, match=f"no parity post-check {name!r}.*--skip-parity"):
+            get_post_check(name)
+
+
+def test_a_post_check_outside_its_family_module_is_refused(tmp_path):
+    """fvconvert finds post-checks as parity.families.<family>: an entry declaring one under another module name
+    would never be found, so discovery refuses it."""
+    text = GOOD.format(name="a", probe="a.p").replace("golden_probes=", "check_converted=print, golden_probes=")
+    pkg = _package(tmp_path, "fams_misnamed", {"b": text})
+    with pytest.raises(FamilyError, match="must be named 'a'"):
+        discover(pkg)
 
 
 # ------------------------------------------------------------------------------------------------ validator

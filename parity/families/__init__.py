@@ -9,7 +9,7 @@ import pkgutil
 from types import ModuleType
 
 from parity.errors import SetupError
-from parity.family import FamilyError, GoldenProbe, ParityFamily
+from parity.family import FamilyError, GoldenProbe, ParityFamily, PostCheck
 
 _CACHE: dict[str, ParityFamily] | None = None
 
@@ -31,6 +31,10 @@ def discover(package: ModuleType | None = None) -> dict[str, ParityFamily]:
                               if fam is None else f"{module.__name__}.FAMILY is a {type(fam).__name__}, "
                                                   f"not a ParityFamily")
         fam.validate()
+        if (fam.check_converted is not None or fam.component_post_checks) and info.name != fam.name:
+            # fvconvert looks a post-check up as parity.families.<family> (converters/hooks.py)
+            raise FamilyError(f"{module.__name__}: family {fam.name!r} declares fvconvert post-checks, so its module "
+                              f"must be named {fam.name!r} (fvconvert finds it as {package.__name__}.{fam.name})")
         if fam.name in found:
             raise FamilyError(f"family name {fam.name!r} is exported twice (second: {module.__name__})")
         for probe in fam.golden_probes:
@@ -60,16 +64,15 @@ def golden_probes() -> dict[str, GoldenProbe]:
     return {probe: fn for fam in families().values() for probe, fn in fam.golden_probes.items()}
 
 
-def post_check_entry_points() -> dict[str, str]:
-    """What pyproject.toml's [project.entry-points."fvconvert.post_check"] must hold: family -> "module:attr".
-    converters/ may not import parity/, so fvconvert finds the post-check through these entry points; the
-    registry test asserts pyproject and the entries agree."""
-    out = {}
+def post_checks() -> dict[str, PostCheck]:
+    """Every fvconvert post-check the entries declare: "<family>" (check_converted) and "<family>.<component>"
+    (component_post_checks) -> check. fvconvert finds each at run time in `parity.families.<family>`.FAMILY
+    (converters/hooks.py), so a family's folder is all it takes: no entry point, no reinstall."""
+    out: dict[str, PostCheck] = {}
     for name, fam in families().items():
         if fam.check_converted is not None:
-            out[name] = f"{fam.check_converted.__module__}:{fam.check_converted.__qualname__}"
-        for ep, fn in fam.component_post_checks.items():  # one per component a family's manifests name
-            out[ep] = f"{fn.__module__}:{fn.__qualname__}"
+            out[name] = fam.check_converted
+        out.update(fam.component_post_checks)  # one per component a family's manifests name
     return out
 
 
