@@ -1,13 +1,15 @@
 """cosmos3 sound tokenizer: manifests, reference vs upstream goldens, optimized decoder (folded weight norm, chunked
 with halo) vs reference, bad input, WAV artifacts."""
 
+import json
 import wave
 from pathlib import Path
 
 import pytest
 import torch
 
-from manifests.cosmos3.sound import canonical_key_shapes, list_variants, load_variant
+from manifests.cosmos3.sound import Cosmos3SoundConfig, canonical_key_shapes, list_variants, load_variant
+from safetensors.torch import load_file
 from parity.families import cosmos3_sound as vae_checks
 from parity.golden import load_case
 
@@ -16,7 +18,8 @@ import reference.cosmos3.sound as ref
 from optimized.runtime import artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = sorted(p for p in (ROOT / "golden" / "cosmos3_sound").iterdir() if p.is_dir())
+GOLDEN = ROOT / "golden" / "cosmos3_sound"
+CASES = sorted(p for p in GOLDEN.iterdir() if p.is_dir())
 
 
 def test_variants():
@@ -49,6 +52,41 @@ def test_c0_and_fault():
     assert vae_checks.run_sound_c0([], None, "cpu", ["fp32"], 0, None, lambda m: None).passed
     r = vae_checks.run_sound_c0([], None, "cpu", ["fp32"], 0, "perturbed-weight", lambda m: None)
     assert not r.passed and all(c.divergence == "decoder.block.1" for c in r.checks if not c.passed)
+
+
+def test_encoder_c0_rows_and_fault_named_at_the_layer():
+    clean = vae_checks.run_sound_c0([], None, "cpu", ["fp32"], 0, None, lambda m: None)
+    rows = [c for c in clean.checks if "/sound_encode/" in c.name]
+    assert {c.name.rsplit("/", 1)[1] for c in rows} == {"posterior_mean", "posterior_std"} and all(c.passed for c in rows)
+    r = vae_checks.run_sound_c0([], None, "cpu", ["fp32"], 0, "encoder-perturbed-weight", lambda m: None)
+    failed = [c for c in r.checks if not c.passed]
+    assert failed and all("/sound_encode/" in c.name for c in failed)   # the decoder rows are untouched
+    assert {c.divergence for c in failed} == {vae_checks.FAMILY.fault("encoder-perturbed-weight").divergence}
+
+
+def test_optimized_encoder_matches_the_upstream_goldens():
+    """The optimized encoder alone against diffusers' posterior (mean, std and the seeded sample)."""
+    for name in ("tiny_sound_encode", "tiny_sound_encode_batch2"):
+        case = load_case(GOLDEN / name)
+        cfg = Cosmos3SoundConfig.from_diffusers_config(json.loads((case.path / "upstream" / "config.json").read_text()))
+        state = load_file(case.path / "upstream" / "diffusion_pytorch_model.safetensors")
+        fast = opt.load_fast_sound_encoder(cfg, state)
+        mean, std = fast.encode(case.inputs["audio"])
+        sample = fast.sample(mean, std, torch.Generator().manual_seed(case.meta["params"]["sample_seed"]))
+        for key, got in (("posterior_mean", mean), ("posterior_std", std), ("posterior_sample", sample)):
+            want = case.outputs[key]
+            assert got.shape == want.shape and (got - want).norm() / want.norm() < 1e-5, (name, key)
+
+
+def test_encoder_bad_audio():
+    cfg = load_variant("tiny")
+    fast = opt.load_fast_sound_encoder(cfg, vae_checks.sound_random_state(cfg, 1))
+    with pytest.raises(ValueError, match="audio must be"):
+        fast.encode(torch.zeros(1, cfg.encoder_channels + 1, 40))
+    bad = torch.zeros(1, cfg.encoder_channels, 40)
+    bad[0, 0, 3] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fast.encode(bad)
 
 
 def test_chunked_streaming_equals_whole_and_length():

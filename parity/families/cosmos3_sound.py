@@ -1,5 +1,6 @@
 """The cosmos3-sound family: cosmos3's sound tokenizer (AVAE). C0: reference vs optimized decoder, whole clip (a
-batch of two at different loudness), chunked and unbatched, and the optimized side's load-time weight-norm fold;
+batch of two at different loudness), chunked and unbatched, the optimized side's load-time weight-norm fold, and the
+encoder's posterior (mean / std, the first divergent encoder layer named);
 upstream golden probes `cosmos3.sound_decode`, `cosmos3.sound_encode` (golden/cosmos3_sound/).
 cosmos3's own C0 and C4 reuse `run_sound_c0` and `sound_random_state`."""
 
@@ -16,7 +17,7 @@ from manifests.parity import Tolerance, load_parity_contract
 from parity.errors import SetupError
 from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily
 from parity.golden import read_diffusers_dir
-from parity.localise import ChunkTrace
+from parity.localise import ChunkTrace, first_divergence
 from parity.metrics import compare
 from parity.report import CheckResult, Report, exceptions_fail, tensor_check as check
 from parity.weights import random_state_dict
@@ -25,7 +26,9 @@ import optimized.models.cosmos3.sound as opt_sound
 import reference.cosmos3.sound as ref_sound
 
 DEFAULT_VARIANTS = ("tiny",)
-FAULTS = (Fault("perturbed-weight", "one weight of the optimized decoder's block 1 nudged", "C0", "decoder.block.1"),)
+FAULTS = (Fault("perturbed-weight", "one weight of the optimized decoder's block 1 nudged", "C0", "decoder.block.1"),
+          Fault("encoder-perturbed-weight", "one weight of the optimized encoder's first downsampling conv nudged", "C0",
+                "encoder.layers.2"))   # tiny: layer 1 its one ConvNeXt block, 2 the first stride conv
 C0_GAINS = (1.0, 0.25)       # per-sample loudness of the C0 latents: a batch of two that must not mix
 FOLD_FP32_REL_L2 = 1e-6      # fp32 fold vs the reference's weight norm (measured 0: the same fp32 ops)
 FOLD_MAX_FLIPPED = 0.01      # bf16: share of folded elements allowed 1-ulp flips of the final cast (measured 0 on CPU
@@ -59,10 +62,13 @@ def sound_random_state(cfg: Cosmos3SoundConfig, seed: int) -> dict[str, torch.Te
 
 @contextlib.contextmanager
 def _planted(fault: str | None, fast):
-    if fault is None:
+    if fault is None or (fault == "encoder-perturbed-weight") != isinstance(fast, opt_sound.FastSoundEncoder):
         yield
         return
-    w = fast.w["decoder.block.1.conv_t1"]
+    if fault == "encoder-perturbed-weight":
+        w = fast.w[next(p for kind, p, _ in fast.plan if kind == "down")]   # the first stride conv
+    else:
+        w = fast.w["decoder.block.1.conv_t1"]
     saved = w.clone()
     w.view(-1)[0] += 1e-2 * w.abs().max()
     try:
@@ -115,7 +121,51 @@ def run_sound_c0(variants: list[str], checkpoint: str | None, device: str, dtype
                 report.checks.append(check(f"{p}/chunked", chunked, want, tol, div, f"{max(1, T // 3)} latent frames "
                                            f"per chunk, halo {opt_sound.halo_frames(cfg)}"))
                 report.checks.append(check(f"{p}/unbatched", unbatched, want[0], tol, div, "[C, T] input"))
+                if cfg.has_encoder:
+                    report.checks.extend(sound_encode_checks(f"{v}/{dname}/sound_encode", cfg, state, ref, device,
+                                                             dtype, tol, seed, fault))
     return report
+
+
+def _reference_encoder_trace(ref, audio: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference encoder's layer outputs under canonical prefixes (forward hooks on its Sequential), computed on
+    the same volume-normalised, hop-padded waveform its `encode` builds."""
+    records: dict[str, torch.Tensor] = {}
+    x = audio
+    if ref.cfg.normalize_volume:
+        x = x / (x.abs().max() + 1e-5) * 0.95
+    x = torch.nn.functional.pad(x, (0, (-x.shape[-1]) % ref.cfg.hop))
+    hooks = [layer.register_forward_hook(lambda _m, _i, out, name=f"encoder.layers.{j}": records.__setitem__(name, out))
+             for j, layer in enumerate(ref.encoder.layers)]
+    try:
+        with torch.no_grad():
+            records["encoder.spectrogram"] = ref.encoder.spectrogram(x)
+            ref.encoder(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"encoder.spectrogram": records.pop("encoder.spectrogram"), **records}
+
+
+def sound_encode_checks(prefix: str, cfg: Cosmos3SoundConfig, state: dict, ref, device: str, dtype: torch.dtype,
+                        tol: Tolerance, seed: int, fault: str | None) -> list[CheckResult]:
+    """Encoder rows: posterior mean / std of a batch of two clips at different loudness (the volume peak is the
+    whole batch's: a per-sample peak fails here) with a length that needs hop padding; a failing row names the first
+    encoder layer whose output diverges (both sides traced)."""
+    fast = opt_sound.load_fast_sound_encoder(cfg, state, device, dtype)
+    n = 3 * cfg.hop - 7
+    audio = torch.randn(len(C0_GAINS), cfg.encoder_channels, n, generator=torch.Generator().manual_seed(seed + 2))
+    audio = (audio * torch.tensor(C0_GAINS).view(-1, 1, 1)).clamp(-1, 1).to(device, dtype)
+    with torch.no_grad():
+        post = ref.encode(audio)
+    fast_trace: dict[str, torch.Tensor] = {}
+    with _planted(fault, fast):
+        mean, std = fast.encode(audio, trace=lambda name, t: fast_trace.__setitem__(name, t.detach().clone()))
+    div = first_divergence(fast_trace, _reference_encoder_trace(ref, audio), tol)
+    where = div.name if div is not None else "encoder (no traced layer out of tolerance: the posterior head)"
+    detail = f"{list(audio.shape)} at gains {C0_GAINS} -> {list(post.mean.shape)}, hop-padded, weight norm folded"
+    return [check(f"{prefix}/posterior_mean", mean, post.mean, tol, where, detail),
+            check(f"{prefix}/posterior_std", std, post.std, tol, where, detail)]
 
 
 def _trace_name(layer: str) -> str:
@@ -224,5 +274,6 @@ LEVELS = {"C0": run_sound_c0}
 
 FAMILY = ParityFamily(
     name="cosmos3-sound",
-    description="cosmos3's sound tokenizer (AVAE): decoder whole / chunked / unbatched; encoder vs upstream",
+    description="cosmos3's sound tokenizer (AVAE): decoder whole / chunked / unbatched, encoder posterior; both vs "
+                "upstream",
     levels=LEVELS, variants=variants, default_variants=DEFAULT_VARIANTS, faults=FAULTS, golden_probes=PROBES)
