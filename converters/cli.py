@@ -20,6 +20,7 @@ from converters.errors import ConversionError, ParityCheckFailed
 from converters.families import family_formats, family_names, get_family
 from converters.hooks import MissingPostCheck, get_post_check
 from converters.inspect import human_bytes, human_count, inspect_source
+from converters.lora import lora_cmd
 from converters.manifest import load_manifest
 from converters.pipeline import PIPELINE, detect_format
 from converters.staging import Interrupted
@@ -346,6 +347,9 @@ def formats_cmd() -> int:
             rows.append([fam_name, fmt, m.upstream.get("source", ""), m.conversion_version, len(m.rules), m.origin])
     click.echo(tabulate(rows, headers=["family", "format", "upstream", "version", "rules", "manifest"]))
     return 0
+
+
+cli.add_command(lora_cmd)   # fvconvert lora FAMILY SRC OUT (converters/lora.py)
 
 
 def _usage_line(e: click.UsageError) -> str:
