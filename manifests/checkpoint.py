@@ -66,10 +66,10 @@ def family_names() -> list[str]:
     return sorted(family_layouts())
 
 
-def _family_layout(family: str, where: str = "") -> FamilyLayout:
+def _family_layout(family: str) -> FamilyLayout:
     layouts = family_layouts()
     if family not in layouts:
-        raise CheckpointError(f"{where}unknown model family {family!r}; known families: {', '.join(family_names())}")
+        raise CheckpointError(f"unknown model family {family!r}; known families: {', '.join(family_names())}")
     return layouts[family]
 
 
@@ -218,7 +218,9 @@ def _read_component(root: Path, name: str | None = None, family: str | None = No
     fam = rec.get("family", family or LEGACY_FAMILY)
     if family is not None and fam != family:
         raise CheckpointError(f"{mpath}: a {fam} checkpoint, not {family}")
-    kind = rec.get("component") or _family_layout(fam, f"{mpath}: ").default_component
+    if fam not in family_layouts():
+        raise CheckpointError(f"{mpath}: unknown family {fam!r}; known families: {', '.join(family_names())}")
+    kind = rec.get("component") or default_component(fam)
     layout = get_layout(fam, kind)
     config = _json_object(root / CONFIG_NAME, "config file")
     parts = rec.get("parts")

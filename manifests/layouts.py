@@ -161,6 +161,27 @@ class FamilyLayout:
         return self
 
 
+VARIANT_SEP = ":"           # "wan:tiny-2.1-t2v": a variant qualified by its family (variants are per family)
+
+
+def split_variant(name: str, family: str | None = None) -> tuple[str | None, str]:
+    """'wan:tiny' -> ('wan', 'tiny'); a bare 'tiny' -> (family, 'tiny'). With `family` given, a qualifier naming
+    another family is an error (LayoutError)."""
+    qual, sep, bare = name.partition(VARIANT_SEP)
+    if not sep:
+        return family, name
+    if not qual or not bare:
+        raise LayoutError(f"variant {name!r}: a qualified variant is FAMILY{VARIANT_SEP}NAME (e.g. wan:tiny-2.1-t2v)")
+    if family is not None and qual != family:
+        raise LayoutError(f"variant {name!r} belongs to family {qual!r}, not {family!r}")
+    return qual, bare
+
+
+def bare_variant(family: str, name: str) -> str:
+    """A variant name as `family`'s own loaders know it: 'wan:tiny-2.1' -> 'tiny-2.1' (another family's: error)."""
+    return split_variant(name, family)[1]
+
+
 LAYOUT_MODULE = "layout"    # manifests/<family>/layout.py
 
 
@@ -191,5 +212,5 @@ def family_layouts() -> dict[str, FamilyLayout]:
     return discover_layouts()
 
 
-__all__ = ["ComponentLayout", "DEFAULT_GAINS", "FamilyLayout", "LayoutError", "ModelLayout", "NO_LAYERS", "Part",
+__all__ = ["VARIANT_SEP", "bare_variant", "split_variant", "ComponentLayout", "DEFAULT_GAINS", "FamilyLayout", "LayoutError", "ModelLayout", "NO_LAYERS", "Part",
            "discover_layouts", "family_layouts", "part_names", "part_of", "split_by_part"]

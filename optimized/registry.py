@@ -8,6 +8,8 @@ import pkgutil
 from functools import lru_cache
 
 import optimized.models
+from manifests.layouts import VARIANT_SEP, LayoutError
+from manifests.layouts import split_variant as _split
 from optimized.runtime.family import FamilyEntry
 
 
@@ -38,21 +40,33 @@ def family(name: str) -> FamilyEntry:
     return fams[name]
 
 
+def split_variant(variant: str, family_name: str | None = None) -> tuple[str | None, str]:
+    """'wan:tiny-2.1-t2v' -> ('wan', 'tiny-2.1-t2v'); a bare name -> (family_name, name). Variants are per family:
+    a qualifier naming another family than `family_name` is an UnknownFamily."""
+    try:
+        return _split(variant, family_name)
+    except LayoutError as e:
+        raise UnknownFamily(str(e)) from None
+
+
 def family_of_variant(variant: str, family_name: str | None = None) -> FamilyEntry:
-    """The one family whose variants include `variant` (`family_name` picks among several)."""
-    if family_name is not None:
-        entry = family(family_name)
-        if variant not in entry.list_variants():
-            raise UnknownFamily(f"family {family_name!r} has no variant {variant!r}; its variants: "
+    """The family of `variant`: qualified ('wan:tiny-2.1-t2v') or picked by `family_name`, else the one family whose
+    variants include the bare name (several: an error naming each qualified name)."""
+    qual, bare = split_variant(variant, family_name)
+    if qual is not None:
+        entry = family(qual)
+        if bare not in entry.list_variants():
+            raise UnknownFamily(f"family {qual!r} has no variant {bare!r}; its variants: "
                                 f"{', '.join(entry.list_variants())}")
         return entry
-    owners = [f for f in families().values() if variant in f.list_variants()]
+    owners = [f for f in families().values() if bare in f.list_variants()]
     if not owners:
         listing = "; ".join(f"{f.name}: {', '.join(f.list_variants())}" for f in families().values())
-        raise UnknownFamily(f"no family has a variant {variant!r} (variants by family: {listing})")
+        raise UnknownFamily(f"no family has a variant {bare!r} (variants by family: {listing})")
     if len(owners) > 1:
-        raise UnknownFamily(f"variant {variant!r} is ambiguous: families {', '.join(f.name for f in owners)} all have "
-                            f"it; pass family=<one of them>")
+        raise UnknownFamily(f"variant {bare!r} is ambiguous: families {', '.join(f.name for f in owners)} all have "
+                            f"it; name one: {', '.join(f'{f.name}{VARIANT_SEP}{bare}' for f in owners)} "
+                            f"(or pass family=<one of them>)")
     return owners[0]
 
 

@@ -12,13 +12,25 @@ from typing import Callable
 
 import torch
 
+from manifests.layouts import DEFAULT_GAINS
+
 # init(name, shape, r) -> the weight for `name` made from the standard normal draw r, or None to leave the key
 # out (an override pass: merge its result over a base state dict)
 InitRule = Callable[[str, tuple[int, ...], torch.Tensor], "torch.Tensor | None"]
 
 
 def fan_in_init(name: str, shape: tuple[int, ...], r: torch.Tensor) -> torch.Tensor:
-    if name.endswith("norm.weight"):
+    return _fan_in(name, shape, r, DEFAULT_GAINS)
+
+
+def fan_in_rule(gains: tuple[str, ...] = DEFAULT_GAINS) -> InitRule:
+    """fan_in_init with a family's declared gains (manifests/<family>/layout.py `ComponentLayout.gains`: key
+    suffixes drawn near 1), e.g. `random_state_dict(shapes, seed, fan_in_rule(get_layout("foo").gains))`."""
+    return lambda name, shape, r: _fan_in(name, shape, r, tuple(gains))
+
+
+def _fan_in(name: str, shape: tuple[int, ...], r: torch.Tensor, gains: tuple[str, ...]) -> torch.Tensor:
+    if name.endswith(gains):
         return 1.0 + 0.1 * r               # norms near 1
     if len(shape) == 1:
         return 0.1 * r                     # biases, modality embeds

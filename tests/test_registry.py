@@ -53,8 +53,11 @@ def test_an_entry_missing_a_loop_is_refused():
     entry = registry.family("cosmos3")
     with pytest.raises(SpecError, match="reasoning"):
         replace(entry, loops={"denoise": entry.loops["denoise"]}).validate()
-    with pytest.raises(SpecError, match="no loop"):
-        replace(entry, loops={}, request_types={}, jobs={}).validate()
+    with pytest.raises(SpecError, match="but no loop to run them"):
+        replace(entry, loops={}, jobs={}).validate()
+    # no loop and no request type: a component-only family, which validates (and never generates)
+    only = replace(entry, loops={}, request_types={}, jobs={}).validate()
+    assert only.component_only and not entry.component_only
 
 
 def test_engine_and_runtime_name_no_family():

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from manifests.layouts import DEFAULT_GAINS, bare_variant
 from optimized.runtime.cache import CacheStore
 from optimized.runtime.loop import LoopKernel
 from optimized.runtime.spec import ComponentSpec, SpecError
@@ -72,8 +73,8 @@ class Capabilities:
     # request -> its extent (None = nothing to check); the engine checks it against the limits before any allocation
     extent: Callable[[Any], RequestExtent | None] = field(default=lambda request: None, compare=False, repr=False)
 
-    def validate(self, who: str) -> "Capabilities":
-        if not self.modalities:
+    def validate(self, who: str, needs_modality: bool = True) -> "Capabilities":
+        if needs_modality and not self.modalities:
             raise SpecError(f"family {who!r}: capabilities name no modality")
         for _, name in LIMITS:
             v = getattr(self, name)
@@ -144,11 +145,18 @@ class FamilyEntry:
     # names to cost for a bare loop request, or ("denoise", "decode", "artifact") for a whole video program
     request_cost: Callable[[Any, Any, tuple[str, ...]], RequestCost | None] | None = None
 
+    def __post_init__(self) -> None:
+        # variants are per family: the entry's loader also takes its own qualified names ("wan:tiny-2.1-t2v")
+        object.__setattr__(self, "load_variant", _qualified_loader(self.name, self.load_variant))
+
     def validate(self) -> "FamilyEntry":
         if not self.name or not self.name.isidentifier():
             raise SpecError(f"family name must be an identifier, got {self.name!r}")
-        if not self.loops:
-            raise SpecError(f"family {self.name!r} declares no loop")
+        # no loop and no request type: a component-only family (e.g. a transformer port at C0); the engine loads it
+        # and refuses generate() (loop_for); request types without loops are a broken entry
+        if not self.loops and self.request_types:
+            raise SpecError(f"family {self.name!r} declares request types "
+                            f"{sorted(t.__name__ for t in self.request_types)} but no loop to run them")
         for rtype, loop in self.request_types.items():
             if not isinstance(rtype, type):
                 raise SpecError(f"family {self.name!r}: request type {rtype!r} is not a class")
@@ -158,10 +166,18 @@ class FamilyEntry:
         unknown = sorted(set(self.jobs) - set(self.loops))
         if unknown:
             raise SpecError(f"family {self.name!r}: job builders for undeclared loops {unknown}")
-        self.capabilities.validate(self.name)
+        self.capabilities.validate(self.name, needs_modality=not self.component_only)
         return self
 
+    @property
+    def component_only(self) -> bool:
+        """True for a family with components but no loop (it is loaded and compared, never generates)."""
+        return not self.loops
+
     def loop_for(self, request: Any) -> str:
+        if self.component_only:
+            raise TypeError(f"family {self.name!r} is component-only (it declares no loop): it loads and runs its "
+                            f"components, but cannot generate (no {type(request).__name__} or any other request)")
         for rtype in type(request).__mro__:
             if rtype in self.request_types:
                 return self.request_types[rtype]
@@ -173,15 +189,37 @@ class FamilyEntry:
 
     def random_variant(self, variant: str, seed: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
         """A model instance with seeded random weights at a variant's shapes (smoke runs, released-size benchmarks)."""
+        variant = bare_variant(self.name, variant)
         cfg = self.load_variant(variant)
         return self.load(cfg, self.random_weights(cfg, seed), device=device, dtype=dtype,
                          weights_version=f"random:{self.name}:{variant}:{seed}")
 
 
+def _qualified_loader(family: str, load: Callable[[str], Any]) -> Callable[[str], Any]:
+    if getattr(load, "qualified_for", None) == family:
+        return load
+
+    def load_variant(name: str) -> Any:
+        return load(bare_variant(family, name))   # another family's qualified name: LayoutError names both
+    load_variant.qualified_for = family
+    load_variant.__wrapped__ = load
+    return load_variant
+
+
 def seeded_random_state(key_shapes: Mapping[str, tuple[int, ...]], seed: int,
-                        ones: tuple[str, ...] = ("norm.weight",), scale: float = 0.02) -> dict[str, torch.Tensor]:
+                        ones: tuple[str, ...] = DEFAULT_GAINS, scale: float = 0.02) -> dict[str, torch.Tensor]:
     """Seeded N(0, scale) tensors at the given shapes (sorted key order), plus 1.0 on keys ending in `ones` (norm
-    gains), so a randomly-weighted model keeps activations O(1)."""
+    gains), so a randomly-weighted model keeps activations O(1). A family declares its gains in its layout
+    (manifests/<family>/layout.py `ComponentLayout.gains`; `declared_random_state` reads them)."""
     g = torch.Generator().manual_seed(seed)
     return {k: torch.randn(shape, generator=g) * scale + (1.0 if k.endswith(ones) else 0.0)
             for k, shape in sorted(key_shapes.items())}
+
+
+def declared_random_state(family: str, component: str, cfg: Any, seed: int, scale: float = 0.02
+                          ) -> dict[str, torch.Tensor]:
+    """`seeded_random_state` at a component's canonical shapes with the gains its family declares (its layout)."""
+    from manifests.checkpoint import get_layout
+
+    layout = get_layout(family, component)
+    return seeded_random_state(layout.key_shapes(cfg), seed, ones=layout.gains, scale=scale)
