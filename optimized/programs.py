@@ -440,6 +440,7 @@ def write_video_artifacts(result: VideoResult, out: Any) -> dict:
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = _Path(tempfile.mkdtemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp"))
     try:
+        artifacts.honour_umask(tmp, directory=True)   # mkdtemp's 0700 would outlive the rename
         for i, rgb in enumerate(result.frames):
             (tmp / f"frame_{i:05d}.png").write_bytes(artifacts.png_bytes(rgb))
         if result.audio is not None and result.sample_rate:

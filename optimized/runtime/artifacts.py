@@ -54,12 +54,33 @@ def png_bytes(rgb: torch.Tensor) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where the OS says it (os.umask would set it, racing threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: str | Path, directory: bool = False) -> None:
+    """Give a tempfile-made file (0600) or directory (0700) the permissions any other written file gets: 0666 (0777)
+    less the umask."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -77,6 +98,7 @@ class FrameSink:
             raise ArtifactError(f"{self.out_dir} already exists; refusing to overwrite")
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(dir=self.out_dir.parent, prefix=f".{self.out_dir.name}.", suffix=".tmp"))
+        honour_umask(self.tmp, directory=True)
         self.prefix, self.count, self.done = prefix, 0, False
 
     def add(self, video_chunk: torch.Tensor) -> None:
@@ -132,6 +154,7 @@ def write_wav(audio: torch.Tensor, path: str | Path, sample_rate: int) -> Path:
             w.setsampwidth(2)
             w.setframerate(int(sample_rate))
             w.writeframes(pcm.numpy().astype("<i2").tobytes())
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -168,6 +191,7 @@ def write_mp4(video: torch.Tensor, path: str | Path, fps: float = 24.0) -> Path:
         proc = subprocess.run(cmd, input=frames.numpy().tobytes(), capture_output=True)
         if proc.returncode != 0:
             raise ArtifactError(f"ffmpeg failed: {proc.stderr.decode(errors='replace')[-500:]}")
+        honour_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

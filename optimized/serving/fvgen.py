@@ -282,7 +282,7 @@ def _main(argv: list[str]) -> int:
             except ImportError as e:
                 raise UsageError(f"fvgen serve needs the optional serve extra (pip install -e '.[serve]'): {e}") \
                     from None
-            return serve_main(argv[1:])
+            return serve_main(argv[1:], prog="fvgen serve")
         if argv[:1] == ["card"]:
             return _run_card(argv[1:])
         return _run_generate(argv)

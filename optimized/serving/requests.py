@@ -57,13 +57,13 @@ def parse_ids(value: Any, field: str = "prompt_ids", vocab: int | None = None) -
 
 
 def parse_size(value: Any, field: str = "size") -> tuple[int, int]:
-    """'480x640' (height x width) -> (480, 640)."""
+    """'640x480' (WIDTHxHEIGHT, OpenAI's and ffmpeg's order) -> (height, width) = (480, 640)."""
     try:
-        h, w = (int(v) for v in str(value).lower().split("x"))
+        w, h = (int(v) for v in str(value).lower().split("x"))
     except ValueError:
-        raise ServingError(f"{field} must be HEIGHTxWIDTH (e.g. 480x640), got {value!r}") from None
+        raise ServingError(f"{field} must be WIDTHxHEIGHT (e.g. 1280x720), got {str(value)[:80]!r}") from None
     if h <= 0 or w <= 0:
-        raise ServingError(f"{field} must be positive, got {value!r}")
+        raise ServingError(f"{field} must be positive, got {str(value)[:80]!r}")
     return h, w
 
 
@@ -180,13 +180,18 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
                   negative_prompt: str | None = None, negative_prompt_ids: Any = None, num_frames: int | None = None,
                   height: int | None = None, width: int | None = None, num_steps: int | None = None,
                   guidance_scale: float | None = None, seed: int | None = 0,
-                  image: torch.Tensor | None = None) -> tuple[Any, torch.Tensor | None]:
+                  image: torch.Tensor | None = None, fps: float | None = None, guidance_scale_2: float | None = None,
+                  flow_shift: float | None = None,
+                  boundary_ratio: float | None = None) -> tuple[Any, torch.Tensor | None]:
     """A family request from plain fields, and the image the video program must encode (None when the request
-    carries it). Uses the family's processor for prompts when it has one; see the module doc otherwise."""
+    carries it). Uses the family's processor for prompts when it has one; see the module doc otherwise. The
+    extension fields (fps, guidance_scale_2, flow_shift, boundary_ratio) go where the family's request has them
+    (`with_extensions`)."""
     if prompt_ids is None and prompt is not None and processor_for(engine) is not None:
-        return request_from_prompt(engine, prompt, negative_prompt=negative_prompt, num_frames=num_frames,
-                                   height=height, width=width, num_steps=num_steps, guidance_scale=guidance_scale,
-                                   seed=seed, image=image)
+        request, left = request_from_prompt(engine, prompt, negative_prompt=negative_prompt, num_frames=num_frames,
+                                            height=height, width=width, num_steps=num_steps,
+                                            guidance_scale=guidance_scale, seed=seed, image=image)
+        return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio), left
     adapter = adapter_for(engine)
     in_request = media_chain(engine).image_in_request
     text = tokens_for(engine, prompt, prompt_ids)
@@ -200,7 +205,57 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
         raise
     except ValueError as e:
         raise ServingError(str(e)) from None
-    return request, None if in_request else image
+    return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio), \
+        None if in_request else image
+
+
+def default_fps(engine: Any) -> float:
+    """The fps the engine's clips play at when a request sets none (its media chain's, on a default request)."""
+    if "_default_fps" not in engine.__dict__:
+        adapter = adapter_for(engine)
+        probe = adapter.build(engine, RequestFields(torch.zeros(1, dtype=torch.int64)))
+        engine.__dict__["_default_fps"] = float(media_chain(engine).fps(probe))
+    return engine.__dict__["_default_fps"]
+
+
+def frame_step(engine: Any) -> int:
+    """The frame counts the engine makes are frame_step * k + 1 (its media VAE's temporal compression)."""
+    cfg = getattr(media_chain(engine).vae, "cfg", None)
+    return int(getattr(cfg, "temporal_compression", None) or getattr(cfg, "scale_factor_temporal", None) or 4)
+
+
+def with_extensions(engine: Any, request: Any, fps: float | None = None, guidance_scale_2: float | None = None,
+                    flow_shift: float | None = None, boundary_ratio: float | None = None) -> Any:
+    """`request` with the vllm-omni / SGLang extension fields set where its type has them; ServingError naming
+    the field where it has none. fps: a request field (cosmos3) or the model's fixed clip rate (which a request may
+    restate, not change); boundary_ratio: a two-expert model's own switch point (a model property: a request may
+    restate it, not change it)."""
+    import dataclasses
+    names = {f.name for f in dataclasses.fields(request)} if dataclasses.is_dataclass(request) else set()
+    family = engine.family.name
+    changes: dict = {}
+    for name, value in (("guidance_scale_2", guidance_scale_2), ("flow_shift", flow_shift)):
+        if value is None:
+            continue
+        if name not in names:
+            raise ServingError(f"{name}: {family} requests take no {name}")
+        changes[name] = float(value)
+    if fps is not None:
+        if "fps" in names:
+            changes["fps"] = float(fps)
+        else:
+            fixed = float(media_chain(engine).fps(request))
+            if abs(float(fps) - fixed) > 1e-9:
+                raise ServingError(f"fps: this {family} model's clips play at {fixed:g} fps (fixed); got {fps:g}")
+    if boundary_ratio is not None:
+        own = getattr(getattr(engine.model, "cfg", None), "boundary_ratio", None)
+        if own is None:
+            raise ServingError(f"boundary_ratio: this {family} model has one expert; boundary_ratio applies to "
+                               f"two-expert models")
+        if abs(float(boundary_ratio) - float(own)) > 1e-9:
+            raise ServingError(f"boundary_ratio: this model switches experts at {own:g} (a property of its "
+                               f"weights, not changed per request); got {boundary_ratio:g}")
+    return dataclasses.replace(request, **changes) if changes else request
 
 
 def tokenizer_dir(engine: Any) -> Path | None:

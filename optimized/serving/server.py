@@ -1,31 +1,39 @@
 """OpenAI-style HTTP server for one engine (optional `serve` extra: FastAPI + uvicorn + python-multipart; MP4 needs
-imageio-ffmpeg, also in the extra).
+imageio-ffmpeg, also in the extra). The /v1/videos contract (fields, video object, errors) is `videos_api.py`'s.
 
     fvgen serve wan --variant tiny-2.1-t2v --port 8000 --output-dir videos/     (or python -m optimized.serving.server)
 
-    POST   /v1/videos                 create (JSON, or multipart/form-data with an `image` / `input_reference` file)
-    GET    /v1/videos/{id}            status, progress, result URL
+    POST   /v1/videos                 create (JSON, or multipart/form-data with an `input_reference` / `image` file)
+    POST   /v1/videos/sync            create and wait: the MP4 itself (header x-video-id), or the error envelope
+    GET    /v1/videos                 list (?after=ID&limit=20&order=desc): {object: list, data, has_more, first_id,
+                                      last_id}
+    GET    /v1/videos/{id}            the video object: status queued | in_progress | completed | failed, progress
     GET    /v1/videos/{id}/content    the MP4 (?variant=video), frame 0 as PNG (thumbnail) or the JSON sidecar
-    DELETE /v1/videos/{id}            cancel an unfinished video (at the next step boundary) / delete a finished one
+    DELETE /v1/videos/{id}            delete (an unfinished video is cancelled at its next step boundary first):
+                                      {id, object: video.deleted, deleted: true}
     GET    /v1/videos/{id}/events     server-sent events: request.accepted, request.stage, progress (one per step and
-                                      per decode chunk), request.completed | request.failed | request.cancelled
+                                      per decode chunk), request.completed (with content URLs) | request.failed |
+                                      request.cancelled
     GET    /health                    liveness + queue depth
-    GET    /v1/models                 the served model and its DeploymentCard
+    GET    /v1/models, /v1/models/ID  the served model and its DeploymentCard
 
-Request fields (JSON or form): prompt | prompt_ids, negative_prompt | negative_prompt_ids, size "HEIGHTxWIDTH" (or
-height + width), frames (num_frames), steps (num_steps), guidance (guidance_scale), seed, image (base64 PNG/JPEG or a
-data: URL; multipart: a file), model (optional; must name the served model). Errors are JSON
-`{"error": {"message", "type", "param"}}`: 400 for a bad field or a malformed body (`param` names the field), 401
-without the API key (when one is set), 404 for an unknown id, 409 for content that is not ready, 429 when
-`max_queue` requests are in flight, 413 for an oversized body or upload, 503 while shutting down.
+Request fields (JSON or form): prompt | prompt_ids, negative_prompt | negative_prompt_ids, size "WIDTHxHEIGHT" (or
+width + height), seconds (num_frames = seconds * fps + 1) or num_frames (frames), fps, num_inference_steps (steps),
+guidance_scale (guidance), guidance_scale_2, flow_shift, boundary_ratio, seed, input_reference | image (base64 /
+data URL / {"image_url": data URL}; multipart: a file), lora, model (optional; must name the served model). Errors
+are `{"error": {"message", "type", "code", "param"}}`: 400 for a bad field or a malformed body (`param` names the
+field), 401 without the API key (when one is set), 404 for an unknown id, 409 for content that is not ready, 429
+when `max_queue` requests are in flight, 413 for an oversized body or upload, 503 while shutting down. No response
+or event names a server path.
 
 Held under abuse: a request is refused (400) before anything is allocated (the engine's admission; an image's
 declared size is read from its header before it is decoded); the control plane never waits on the driver's tick;
 SIGTERM cancels in-flight work whatever clients are connected. Durable: artifacts are written atomically (temp file +
-rename), content is served only after every file of the video is in place, and the video index is a SQLite file
-beside them (`index.sqlite3` in --output-dir), recovered at start-up (stale temp files removed; videos a kill
-interrupted marked failed). Retention: ended videos beyond --keep-videos / --keep-bytes / --keep-seconds are evicted,
-oldest first, files included. API keys: --api-key or FVGEN_API_KEY (`Authorization: Bearer KEY` or `X-API-Key`).
+rename, permissions from the umask), content is served only after every file of the video is in place, and the video
+index is a SQLite file beside them (`index.sqlite3` in --output-dir), recovered at start-up (stale temp files
+removed; videos a kill interrupted marked failed). Retention: ended videos beyond --keep-videos / --keep-bytes /
+--keep-seconds are evicted, oldest first, files included. API keys: --api-key or FVGEN_API_KEY (`Authorization:
+Bearer KEY` or `X-API-Key`).
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ import asyncio
 import hmac
 import ipaddress
 import json
-import math
 import os
 import re
 import socket
@@ -43,142 +50,25 @@ import sqlite3
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields as dc_fields
+from dataclasses import asdict, dataclass, fields as dc_fields
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimized.serving.async_engine import AsyncEngine, EngineClosed, QueueFull
-from optimized.serving.families import ServingError
-from optimized.serving.requests import base64_image_bytes, decode_image, parse_size, takes_image
+from optimized.serving.requests import default_fps, frame_step, takes_image
+from optimized.serving.videos_api import (FIELDS, BadField, FrameRule, ImageLimits, api_status, content_urls,  # noqa: F401
+                                          error, frames_to_seconds, guess_param, list_page, parse_fields,
+                                          public_param, request_schema, scrub)
 
-FIELDS = {"model", "prompt", "prompt_ids", "negative_prompt", "negative_prompt_ids", "size", "height", "width",
-          "frames", "num_frames", "seconds", "steps", "num_steps", "guidance", "guidance_scale", "seed", "image",
-          "input_reference"}
-ALIASES = {"frames": "num_frames", "steps": "num_steps", "guidance": "guidance_scale"}
-INT_FIELDS = ("num_frames", "num_steps", "seed", "height", "width")
-INT_LIMIT = 1 << 63               # every integer field fits int64 (torch's), or it is a 400 naming the field
 MAX_UPLOAD_BYTES = 32 << 20
 CANCEL_WAIT_S = 2.0               # DELETE of an unfinished video waits at most this long for the cancel to land
 API_KEY_ENV = "FVGEN_API_KEY"
-TERMINAL_STATUSES = ("completed", "failed", "cancelled")
-# request-side names -> the public field names of this API
-PUBLIC = {"text_ids": "prompt_ids", "negative_text_ids": "negative_prompt_ids", "latent_height": "size",
-          "latent_width": "size", "latent_frames": "frames", "num_frames": "frames", "num_steps": "steps",
-          "guidance_scale": "guidance"}
-
-
-class BadField(ValueError):
-    def __init__(self, param: str | None, message: str, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-          headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param}}, status_code=status,
-                        headers=headers)
-
-
-def public_param(name: str | None, body: dict) -> str | None:
-    """The API's name for a request field (height / width are `size` when the body gave a size)."""
-    if name is None:
-        return None
-    found = PUBLIC.get(name, name)
-    return "size" if found in ("height", "width") and "size" in body else found
-
-
-def guess_param(message: str, body: dict) -> str | None:
-    """The request field an engine-side validation message is about (messages name the field they refuse)."""
-    names = ("negative_prompt_ids", "negative_text_ids", "prompt_ids", "text_ids", "num_frames", "height", "width",
-             "num_steps", "guidance_scale", "seed", "image", "size", "prompt", "latent_height", "latent_width",
-             "latent_frames")
-    for name in names:
-        if re.search(rf"\b{name}\b", message):
-            return public_param(name, body)
-    if re.search(r"\bframe count\b|\bframes\b", message):
-        return "frames"
-    return None
-
-
-def _as_int(name: str, v: Any) -> int:
-    if isinstance(v, str) and re.fullmatch(r"-?\d{1,20}", v.strip()):
-        v = int(v)
-    if isinstance(v, int) and not isinstance(v, bool):
-        if not -INT_LIMIT < v < INT_LIMIT:
-            raise BadField(name, f"{name} is out of range (|{name}| < 2**63)")
-        return v
-    raise BadField(name, f"{name} must be an integer, got {str(v)[:80]!r}")
-
-
-def _as_float(name: str, v: Any) -> float:
-    try:
-        if isinstance(v, bool):
-            raise ValueError
-        x = float(v)
-    except (TypeError, ValueError, OverflowError):
-        raise BadField(name, f"{name} must be a number, got {str(v)[:80]!r}") from None
-    if not math.isfinite(x):
-        raise BadField(name, f"{name} must be a finite number, got {v!r}")
-    return x
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """What the served model accepts as an image: whether it takes one at all, and the family's side limits."""
-    accepted: bool
-    max_height: int | None = None
-    max_width: int | None = None
-
-
-def parse_fields(body: dict, image_bytes: bytes | None, image: ImageLimits) -> dict:
-    """Validated keyword fields for `AsyncEngine.submit` (BadField naming the field otherwise). An image is refused
-    before it is decoded when the model takes none or its header declares an over-large size."""
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise BadField(unknown[0], f"unknown field {unknown[0][:80]!r}; fields: {sorted(FIELDS)}")
-    kw: dict = {}
-    for key, value in body.items():
-        if value is None or key in ("model", "image", "input_reference", "size", "seconds"):
-            continue
-        name = ALIASES.get(key, key)
-        if name in kw:
-            raise BadField(key, f"{key} given twice (as {name})")
-        if name in INT_FIELDS:
-            kw[name] = _as_int(key, value)
-        elif name == "guidance_scale":
-            kw[name] = _as_float(key, value)
-        elif name in ("prompt", "negative_prompt"):
-            if not isinstance(value, str):
-                raise BadField(key, f"{key} must be a string")
-            kw[name] = value
-        else:  # prompt_ids / negative_prompt_ids: a list of ints or "1,2,3"
-            kw[name] = value
-    if body.get("size") is not None:
-        if "height" in kw or "width" in kw:
-            raise BadField("size", "give size or height + width, not both")
-        try:
-            kw["height"], kw["width"] = parse_size(body["size"])
-        except ServingError as e:
-            raise BadField("size", str(e)) from None
-    if body.get("seconds") is not None:
-        raise BadField("seconds", "seconds is not supported: give frames (the pixel frame count, 4k + 1)")
-    if "prompt" not in kw and "prompt_ids" not in kw:
-        raise BadField("prompt", "prompt (or prompt_ids) is required")
-    given = body.get("image", body.get("input_reference"))
-    if image_bytes is None and given is not None and not isinstance(given, str):
-        raise BadField("image", "image must be a base64 string (or a multipart file)")
-    if image_bytes is not None or given is not None:
-        if not image.accepted:
-            raise BadField("image", "image: this model takes no image")
-        try:
-            raw = image_bytes if image_bytes is not None else base64_image_bytes(given, "image")
-            kw["image"] = decode_image(raw, "image", image.max_height, image.max_width)
-        except ServingError as e:
-            raise BadField("image", str(e)) from None
-    return kw
+TERMINAL_STATUSES = ("completed", "failed", "cancelled")   # "cancelled": rows an older server wrote
 
 
 # ------------------------------------------------------------------------------------------ the durable video index
@@ -186,7 +76,7 @@ def parse_fields(body: dict, image_bytes: bytes | None, image: ImageLimits) -> d
 class VideoEntry:
     """One video this server made: what GET answers once the engine has let go of the request."""
     id: str
-    status: str                       # queued | in_progress | completed | failed | cancelled
+    status: str                       # queued | in_progress | completed | failed ("cancelled": an older server's)
     created_at: int
     completed_at: int | None = None
     height: int | None = None
@@ -197,6 +87,10 @@ class VideoEntry:
     error: str | None = None
     timings: dict | None = None
     bytes: int = 0                    # of its files on disk (retention counts them)
+    error_code: str | None = None     # cancelled | generation_failed | interrupted | ...
+    fps: float | None = None
+    prompt: str | None = None
+    created_seq: float = 0.0          # time.time() at creation: the list's order within one created_at second
 
 
 @dataclass(frozen=True)
@@ -256,6 +150,7 @@ class VideoStore:
                 for p in self.paths(entry.id).values():
                     p.unlink(missing_ok=True)
                 entry.status, entry.error = "failed", "interrupted: the server stopped before this video finished"
+                entry.error_code = "interrupted"
                 entry.completed_at, entry.bytes = int(time.time()), 0
                 self.save(entry)
                 interrupted += 1
@@ -332,21 +227,6 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
-def _request_schema(caps: dict) -> dict:
-    """The JSON body's OpenAPI schema (what clients and fuzzers read; the server checks every field itself)."""
-    ids = {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                     {"type": "string"}]}
-    return {"type": "object", "additionalProperties": False, "properties": {
-        "model": {"type": "string"}, "prompt": {"type": "string"}, "negative_prompt": {"type": "string"},
-        "prompt_ids": ids, "negative_prompt_ids": ids,
-        "size": {"type": "string", "pattern": r"^\d+x\d+$", "description": "HEIGHTxWIDTH"},
-        "height": {"type": "integer", "minimum": 1, "maximum": caps.get("max_height") or 16384},
-        "width": {"type": "integer", "minimum": 1, "maximum": caps.get("max_width") or 16384},
-        "frames": {"type": "integer", "minimum": 1, "maximum": caps.get("max_frames") or 4096},
-        "steps": {"type": "integer", "minimum": 1}, "guidance": {"type": "number"},
-        "seed": {"type": "integer", "minimum": 0}, "image": {"type": "string", "description": "base64 PNG / JPEG"}}}
-
-
 def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, model_name: str | None = None,
                retention: Retention = Retention(), api_key: str | None = None) -> FastAPI:
     """An app serving `engine` (a sync Engine: the app wraps it in an AsyncEngine on startup). The video index in
@@ -354,6 +234,7 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
     from contextlib import asynccontextmanager
 
     from optimized.runtime.artifacts import _atomic_write_bytes, png_bytes
+    from optimized.serving.families import media_chain
 
     out_dir = Path(output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -363,9 +244,17 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
     name = model_name or f"{card['family']}-{card['variant']}"
     caps = card.get("capabilities", {})
     image_limits = ImageLimits(takes_image(engine), caps.get("max_height"), caps.get("max_width"))
+    try:
+        rule: FrameRule | None = FrameRule(default_fps(engine), frame_step(engine))
+    except ValueError:  # no media chain: every video request is refused at submit, naming what is missing
+        rule = None
+    # the server's directories as a client must never see them (longest first: a prefix never hides a longer one)
+    roots = tuple(sorted({str(out_dir), str(out_dir.absolute()), str(out_dir.resolve())}, key=len, reverse=True))
+    started_at = int(time.time())
     state: dict = {"closing": False, "tasks": set()}
     live: dict = {}                    # video id -> AsyncHandle while the engine holds it
     settled: dict[str, asyncio.Event] = {}
+    deleting: set[str] = set()         # DELETEd while unfinished: gone for clients, removed once the engine lets go
 
     def begin_shutdown() -> None:
         """Refuse new work and cancel what is in flight, so every stream (SSE included) ends and shutdown goes on."""
@@ -392,37 +281,46 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
     app = FastAPI(title="FastVideo v2 engine", lifespan=lifespan)
     app.state.begin_shutdown = begin_shutdown
     app.state.store = store
+    app.state.model_name = name
 
     def video_object(entry: VideoEntry) -> dict:
+        """OpenAI's video object (+ the extension fields vllm-omni clients read: width, height, num_frames, fps,
+        seed; and stage, url, timings)."""
         h = live.get(entry.id)
-        status = entry.status
+        status, implied_code = api_status(entry.status)
         progress = 100 if status == "completed" else 0
         stage = None
-        if h is not None:
-            status = {"waiting": "queued", "running": "in_progress"}.get(h.status, h.status)
-            if status in TERMINAL_STATUSES:
-                status = "in_progress"  # ended in the engine; the index is being updated
+        if h is not None:   # ended in the engine but not yet in the index: still in_progress
+            status = "queued" if h.status == "waiting" else "in_progress"
             done_steps = sum(1 for e in h.history if e.kind == "progress")
-            progress = min(100, int(100 * done_steps / entry.total_steps)) if entry.total_steps else 0
+            progress = min(99, int(100 * done_steps / entry.total_steps)) if entry.total_steps else 0
             stage = h.stage
-        obj = {"id": entry.id, "object": "video", "model": name, "status": status, "stage": stage,
-               "progress": progress, "created_at": entry.created_at, "completed_at": entry.completed_at,
-               "size": f"{entry.height}x{entry.width}" if entry.height else None, "frames": entry.num_frames,
-               "seed": entry.seed, "error": None}
+        failure = None
+        if status == "failed":
+            failure = {"code": entry.error_code or implied_code or "generation_failed",
+                       "message": scrub(entry.error or "the video failed", roots)}
+        expires = entry.completed_at + int(retention.max_age_s) if entry.completed_at and status == "completed" \
+            else None
+        obj = {"id": entry.id, "object": "video", "model": name, "status": status, "progress": progress,
+               "created_at": entry.created_at, "completed_at": entry.completed_at, "expires_at": expires,
+               "size": f"{entry.width}x{entry.height}" if entry.height else None,
+               "seconds": frames_to_seconds(entry.num_frames, entry.fps), "prompt": entry.prompt,
+               "remixed_from_video_id": None, "error": failure,
+               "width": entry.width, "height": entry.height, "num_frames": entry.num_frames, "fps": entry.fps,
+               "seed": entry.seed, "stage": stage}
         if status == "completed":
             obj["url"] = f"/v1/videos/{entry.id}/content"
             obj["timings"] = entry.timings
-        if entry.error is not None:
-            obj["error"] = {"message": entry.error, "type": "generation_error"}
         return obj
 
     async def finalize(vid: str, kind: str, error_text: str | None) -> None:
-        """The engine ended `vid`: thumbnail written, the index row committed, the engine's handle released."""
+        """The engine ended `vid`: thumbnail written, the index row committed (or the video removed, when it was
+        deleted meanwhile), the engine's handle released."""
         h, entry = live.get(vid), store.entries.get(vid)
         try:
             if entry is None or h is None:
                 return
-            status = kind.split(".")[1]
+            status, code = kind.split(".")[1], None
             if status == "completed":
                 try:
                     frame = h.program.value.frames[0]
@@ -430,17 +328,27 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
                                                                         png_bytes(frame)))
                     entry.timings = h.program.value.timings
                 except Exception as e:  # noqa: BLE001 - a failed write fails this video only
-                    status, error_text = "failed", f"writing the thumbnail: {e}"
+                    status, code, error_text = "failed", "artifact_write_failed", f"writing the thumbnail: {e}"
+            elif status == "cancelled":   # not one of the API's statuses: a failure whose code says why
+                status, code = "failed", "cancelled"
+                error_text = error_text or ("cancelled: the server shut down before it finished" if state["closing"]
+                                            else "cancelled before it finished")
+            else:
+                code = "generation_failed"
+            if vid in deleting:
+                store.remove(vid)
+                return
             if status != "completed":
                 for p in store.paths(vid).values():
                     p.unlink(missing_ok=True)
-            entry.status, entry.error = status, error_text
+            entry.status, entry.error, entry.error_code = status, error_text, code
             entry.completed_at = int(time.time())
             entry.bytes = sum(p.stat().st_size for p in store.paths(vid).values() if p.is_file())
             store.save(entry)
             store.evict()
         finally:
             live.pop(vid, None)
+            deleting.discard(vid)
             state["engine"].release(vid)
             settled.pop(vid, asyncio.Event()).set()
 
@@ -452,13 +360,31 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
             state["tasks"].add(task)
             task.add_done_callback(state["tasks"].discard)
 
+    def public_event(vid: str, data: dict) -> dict:
+        """An engine event as clients see it: artifact paths become content URLs, no server directory anywhere."""
+        data = dict(data)
+        paths = data.pop("paths", None)
+        if paths:
+            data["urls"] = content_urls(vid, paths)
+        return scrub(data, roots)
+
     @app.exception_handler(BadField)
     async def _bad_field(request: Request, exc: BadField):
-        return error(exc.status, str(exc), exc.param)
+        return error(exc.status, scrub(str(exc), roots), exc.param, code=exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):   # unknown route, wrong method
+        return error(exc.status_code, str(exc.detail), None, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = (exc.errors() or [{}])[0]
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("query", "path", "body")]
+        return error(400, f"{'.'.join(loc) or 'request'}: {first.get('msg', 'invalid')}", loc[-1] if loc else None)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception):  # a bug answers with the envelope, never a drop
-        return error(500, f"internal error: {type(exc).__name__}", None, "server_error")
+        return error(500, f"internal error: {type(exc).__name__}", None)
 
     if api_key is not None:
         @app.middleware("http")
@@ -468,7 +394,7 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
                 token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
                 if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), api_key.encode("utf-8")):
                     return error(401, "missing or wrong API key (Authorization: Bearer KEY, or X-API-Key)", None,
-                                 "authentication_error", {"WWW-Authenticate": "Bearer"})
+                                 headers={"WWW-Authenticate": "Bearer"})
             return await call_next(request)
 
     @app.get("/health")
@@ -477,14 +403,24 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
         return {"status": "closing" if state["closing"] else "ok", "model": name, "queue_depth": eng.queue_depth,
                 "max_queue": eng.max_queue, "driver_errors": len(eng.driver_errors), "videos": len(store.entries)}
 
+    def model_object() -> dict:
+        return {"id": name, "object": "model", "created": started_at, "owned_by": "fastvideo",
+                "deployment_card": scrub(engine.deployment_card(), roots)}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "fastvideo",
-                                            "deployment_card": engine.deployment_card()}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        if model_id != name:
+            raise BadField("model", f"model {model_id[:80]!r} is not served here (served: {name!r})", 404,
+                           code="model_not_found")
+        return model_object()
 
     async def read_request(request: Request) -> tuple[dict, bytes | None]:
         ctype = request.headers.get("content-type", "")
-        if not ctype.startswith("multipart/form-data"):
+        if not ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
             return parse_json_body(await _read_capped(request)), None
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES + (1 << 20):
@@ -497,69 +433,112 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
         for key, value in form.multi_items():
             if hasattr(value, "read"):
                 if key not in ("image", "input_reference"):
-                    raise BadField(key, f"unexpected file field {key[:80]!r} (use image)")
+                    raise BadField(key, f"unexpected file field {key[:80]!r} (use input_reference)")
                 image_bytes = await value.read(MAX_UPLOAD_BYTES + 1)
                 if len(image_bytes) > MAX_UPLOAD_BYTES:
                     raise BadField(key, f"{key} is larger than {MAX_UPLOAD_BYTES} bytes", 413)
+                body.setdefault(key, None)
+            elif (nested := re.fullmatch(r"(\w+)\[(\w+)\]", key)) is not None:   # OpenAI's input_reference[image_url]
+                body.setdefault(nested[1], {})
+                if not isinstance(body[nested[1]], dict):
+                    raise BadField(nested[1], f"{nested[1]} given twice")
+                body[nested[1]][nested[2]] = value
             else:
                 body[key] = value
         return body, image_bytes
 
-    @app.post("/v1/videos", openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": _request_schema(caps)}}}})
-    async def create(request: Request):
+    async def start_video(request: Request) -> VideoEntry:
+        """Parse, validate and queue one video; its index entry (BadField with the status otherwise)."""
         if state["closing"]:
-            return error(503, "the server is shutting down", None, "server_error")
+            raise BadField(None, "the server is shutting down", 503)
         body, image_bytes = await read_request(request)
         if body.get("model") not in (None, name):
-            raise BadField("model", f"model {str(body['model'])[:80]!r} is not served here (served: {name!r})", 404)
-        has_image = image_bytes is not None or body.get("image") is not None
-        kw = await asyncio.to_thread(parse_fields, body, image_bytes, image_limits) if has_image else \
-            parse_fields(body, image_bytes, image_limits)
-        created = int(time.time())
+            raise BadField("model", f"model {str(body['model'])[:80]!r} is not served here (served: {name!r})", 404,
+                           code="model_not_found")
+        has_image = image_bytes is not None or body.get("image") is not None or body.get("input_reference") is not None
+        kw = await asyncio.to_thread(parse_fields, body, image_bytes, image_limits, rule) if has_image else \
+            parse_fields(body, image_bytes, image_limits, rule)
+        created = time.time()
         vid = f"video_{uuid.uuid4().hex[:20]}"
-        eng = state["engine"]
         try:
-            handle = await eng.submit(out=store.paths(vid)["video"], request_id=vid, **kw)
+            handle = await state["engine"].submit(out=store.paths(vid)["video"], request_id=vid, **kw)
         except QueueFull as e:
-            return error(429, str(e), None, "rate_limit_error")
+            raise BadField(None, str(e), 429) from None
         except EngineClosed as e:
-            return error(503, str(e), None, "server_error")
+            raise BadField(None, str(e), 503) from None
         except (ValueError, OverflowError, TypeError) as e:  # ServingError / RequestRejected / ManifestError
             msg = str(e)
-            return error(400, msg, public_param(getattr(e, "field", None), body) or guess_param(msg, body))
+            raise BadField(public_param(getattr(e, "field", None), body) or guess_param(msg, body), msg) from None
         req = handle.program.request
-        entry = VideoEntry(vid, "queued", created, seed=getattr(req, "seed", None),
-                           num_frames=getattr(req, "num_frames", None) or kw.get("num_frames"),
-                           height=getattr(req, "height", None) or kw.get("height"),
-                           width=getattr(req, "width", None) or kw.get("width"), total_steps=_total_steps(handle))
+        try:
+            fps = float(media_chain(engine).fps(req))
+        except (ValueError, TypeError, AttributeError):
+            fps = None
+        entry = VideoEntry(vid, "queued", int(created), seed=getattr(req, "seed", None),
+                           num_frames=_pixel_frames(req) or kw.get("num_frames"),
+                           height=_pixel_side(req, "height") or kw.get("height"),
+                           width=_pixel_side(req, "width") or kw.get("width"), total_steps=_total_steps(handle),
+                           fps=fps, prompt=kw.get("prompt"), created_seq=created)
         live[vid] = handle
         settled[vid] = asyncio.Event()
         store.save(entry)
         if handle.final_status is not None:  # ended before it was listed (e.g. refused by the driver)
             on_event(handle.history[-1])
-        return JSONResponse(video_object(entry), status_code=200)
+        return entry
+
+    @app.post("/v1/videos", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": request_schema(caps)}}}})
+    async def create(request: Request):
+        return JSONResponse(video_object(await start_video(request)), status_code=200)
+
+    @app.post("/v1/videos/sync", openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": request_schema(caps)}}}})
+    async def create_sync(request: Request):
+        """Create and wait: the MP4 once it is written (a client that hangs up cancels its video)."""
+        entry = await start_video(request)
+        done = settled.get(entry.id)
+        while done is not None and not done.is_set():
+            try:
+                await asyncio.wait_for(done.wait(), 0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected() and entry.id in live:
+                    await live[entry.id].cancel()
+        final = store.entries.get(entry.id)
+        if final is None:
+            raise BadField("id", f"video {entry.id} was deleted before it finished", 404)
+        obj = video_object(final)
+        if obj["status"] != "completed":
+            failure = obj["error"] or {}
+            status = 503 if failure.get("code") == "cancelled" and state["closing"] else 500
+            return error(status, f"video {entry.id} failed: {failure.get('message')}", None,
+                         code=failure.get("code"), headers={"x-video-id": entry.id})
+        took = sum(v for k, v in (final.timings or {}).items() if k == "total" and isinstance(v, (int, float)))
+        return serve_file(entry.id, "video", {"x-video-id": entry.id, "x-inference-time-s": f"{took:.3f}"})
 
     def _entry(vid: str) -> VideoEntry:
         entry = store.entries.get(vid)
-        if entry is None:
+        if entry is None or vid in deleting:
             raise BadField("id", f"no video with id {vid[:80]!r}", 404)
         return entry
+
+    @app.get("/v1/videos")
+    async def list_videos(request: Request):
+        q = request.query_params
+        items = sorted((e for e in store.entries.values() if e.id not in deleting),
+                       key=lambda e: (e.created_seq or e.created_at, e.id))
+        page, has_more = list_page(items, q.get("after"), q.get("limit"), q.get("order"))
+        data = [video_object(e) for e in page]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
     @app.get("/v1/videos/{vid}")
     async def retrieve(vid: str):
         return video_object(_entry(vid))
 
-    @app.get("/v1/videos/{vid}/content")
-    async def content(vid: str, variant: str = "video"):
-        kinds = {"video": ("video/mp4", f'attachment; filename="{vid}.mp4"'), "sidecar": ("application/json", None),
-                 "thumbnail": ("image/png", None)}
-        if variant not in kinds:
-            raise BadField("variant", f"variant must be video, thumbnail or sidecar, got {variant[:80]!r}")
-        entry = _entry(vid)
-        if entry.status != "completed" or vid in live:
-            return error(409, f"video {vid} is {video_object(entry)['status']}; content exists once it is completed",
-                         "id")
+    kinds = {"video": ("video/mp4", 'attachment; filename="{}.mp4"'), "sidecar": ("application/json", None),
+             "thumbnail": ("image/png", None)}
+
+    def serve_file(vid: str, variant: str, headers: dict | None = None) -> StreamingResponse:
         try:  # opened now: a DELETE from here on unlinks the name, this reader keeps the file
             f = open(store.paths(vid)[variant], "rb")
         except FileNotFoundError:
@@ -574,14 +553,29 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
                 f.close()
 
         media_type, disposition = kinds[variant]
-        headers = {"content-length": str(size), **({"content-disposition": disposition} if disposition else {})}
-        return StreamingResponse(body(), media_type=media_type, headers=headers)
+        head = {"content-length": str(size), **(headers or {}),
+                **({"content-disposition": disposition.format(vid)} if disposition else {})}
+        return StreamingResponse(body(), media_type=media_type, headers=head)
+
+    @app.get("/v1/videos/{vid}/content")
+    async def content(vid: str, variant: str = "video"):
+        if variant not in kinds:
+            raise BadField("variant", f"variant must be video, thumbnail or sidecar, got {variant[:80]!r}")
+        entry = _entry(vid)
+        if entry.status != "completed" or vid in live:
+            raise BadField("id", f"video {vid} is {video_object(entry)['status']}; content exists once it is "
+                           f"completed", 409)
+        return serve_file(vid, variant)
 
     @app.delete("/v1/videos/{vid}")
     async def delete(vid: str):
-        entry = _entry(vid)
+        """Delete (OpenAI's shape); an unfinished video is cancelled first and is gone for clients at once."""
+        _entry(vid)
         h = live.get(vid)
-        if h is not None:  # unfinished: cancel (queued for the driver), wait a little for it to land
+        if h is None:
+            store.remove(vid)
+        else:  # cancel (queued for the driver), wait a little for it to land: its queue slot frees with it
+            deleting.add(vid)
             await h.cancel()
             done = settled.get(vid)
             if done is not None:
@@ -589,11 +583,6 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
                     await asyncio.wait_for(done.wait(), CANCEL_WAIT_S)
                 except asyncio.TimeoutError:
                     pass
-            obj = video_object(store.entries.get(vid, entry))
-            if vid in live:
-                obj["status"] = "cancelling"
-            return obj
-        store.remove(vid)
         return {"id": vid, "object": "video.deleted", "deleted": True}
 
     @app.get("/v1/videos/{vid}/events")
@@ -603,16 +592,34 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
 
         async def stream():
             if h is None:  # ended and released: its terminal event
-                yield _sse(f"request.{entry.status}", {"request_id": vid, "status": entry.status,
-                                                       **({"error": entry.error} if entry.error else {})})
+                obj = video_object(entry)
+                failure = obj["error"] or {}
+                kind = "request.completed" if obj["status"] == "completed" else \
+                    "request.cancelled" if failure.get("code") == "cancelled" else "request.failed"
+                data = {"request_id": vid, "status": obj["status"], **({"error": failure} if failure else {})}
+                if obj["status"] == "completed":
+                    data["urls"] = content_urls(vid, kinds)
+                yield _sse(kind, data)
                 return
             async for ev in h.events():
-                yield _sse(ev.kind, ev.to_json())
+                yield _sse(ev.kind, public_event(vid, ev.to_json()))
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     return app
+
+
+def _pixel_frames(req: Any) -> int | None:
+    frames = getattr(req, "num_frames", None)
+    latent = getattr(req, "latent_frames", None)
+    return frames or (None if latent is None else (latent - 1) * 4 + 1)
+
+
+def _pixel_side(req: Any, side: str) -> int | None:
+    v = getattr(req, side, None)
+    latent = getattr(req, f"latent_{side}", None)
+    return v or (None if latent is None else latent * 16)
 
 
 def _total_steps(handle: Any) -> int:
@@ -630,7 +637,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", help="a variant with seeded random weights (e.g. tiny-2.1-t2v, tiny); no checkpoint")
     p.add_argument("--seed-weights", type=int, default=0, help="seed of the random weights with --variant")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model dtype")
     p.add_argument("--plan", default="none", help="parallel plan (only 'none' for now)")
 
 
@@ -700,22 +707,45 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             f"create and delete videos; set --api-key or {API_KEY_ENV}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m optimized.serving.server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("family", nargs="?", help="family name (cosmos3, wan); optional with --variant / --model")
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module doc as written, and every option's default in its help."""
+
+
+def build_parser(prog: str = "python -m optimized.serving.server") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("family", nargs="?", help="family name (cosmos3, wan); optional with --model")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_bounded_int(0, 65535), default=8000)
-    p.add_argument("--output-dir", default="fv_videos")
-    p.add_argument("--max-queue", type=_bounded_int(1), default=16, help="requests in flight at once (>= 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond loopback: set --api-key)")
+    p.add_argument("--port", type=_bounded_int(0, 65535), default=8000, help="port (0: a free one, printed)")
+    p.add_argument("--output-dir", default="fv_videos", help="where videos and the index (index.sqlite3) live")
+    p.add_argument("--max-queue", type=_bounded_int(1), default=16,
+                   help="requests in flight at once (>= 1); more get 429")
     p.add_argument("--keep-videos", type=_bounded_int(0), default=Retention.max_videos,
                    help="ended videos kept (older ones evicted, files included)")
     p.add_argument("--keep-bytes", type=_bounded_int(0), default=Retention.max_bytes,
                    help="bytes of ended videos' files kept")
     p.add_argument("--keep-seconds", type=_bounded_int(0), default=int(Retention.max_age_s),
                    help="seconds an ended video is kept")
-    p.add_argument("--api-key", default=None, help=f"require this key on /v1/* (default: ${API_KEY_ENV}, if set)")
+    p.add_argument("--api-key", default=None, help=f"require this key on /v1/* (None: ${API_KEY_ENV} if set, "
+                                                   f"else no key)")
+    return p
+
+
+def startup_line(model: str, host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return (f"serving {model} on http://{shown}:{port} (POST /v1/videos, GET /v1/models, docs at /docs); "
+            f"Ctrl-C stops")
+
+
+def _bound_port(server: Any, default: int) -> int:
+    try:
+        return int(server.servers[0].sockets[0].getsockname()[1])
+    except (AttributeError, IndexError, OSError):
+        return default
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m optimized.serving.server") -> int:
+    p = build_parser(prog)
     args = p.parse_args(argv)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
@@ -747,6 +777,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:   # bound: say where (the real port, also with --port 0)
+                print(startup_line(app.state.model_name, args.host, _bound_port(self, args.port)), file=sys.stderr,
+                      flush=True)
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)   # uvicorn stops accepting, then waits for open connections:
             loop = getattr(app.state, "loop", None)   # cancelling in-flight work ends every stream (SSE included)
