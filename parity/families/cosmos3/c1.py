@@ -328,6 +328,26 @@ def golden_request(case) -> Cosmos3GenerateRequest:
         raise SetupError(f"golden case {case.path}: incomplete cosmos3.generate inputs/params ({e})") from None
 
 
+def golden_schedule_checks(name: str, side: str, req: Cosmos3GenerateRequest, out: dict) -> list[CheckResult]:
+    """The side's own UniPC schedule against the stored `pipe.scheduler` tables: `timesteps` (int64, exact) and
+    `sigmas` (fp32 [N + 1], exact), each where the case stores it (the model-fed timesteps are checked apart)."""
+    if side == "reference":
+        from reference.solvers.unipc import UniPCFlow
+        sched = UniPCFlow(req.scheduler, req.num_steps)
+        sigmas, timesteps = sched.sigmas, sched.timesteps
+    else:
+        from optimized.solvers.unipc import sigma_schedule
+        sigmas, timesteps = sigma_schedule(req.scheduler, req.num_steps)
+    checks = []
+    for key, got in (("timesteps", timesteps), ("sigmas", sigmas)):
+        if key in out:
+            want = out[key]
+            ok = got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+            checks.append(CheckResult(f"{name}:scheduler_{key}", ok, detail=f"{want.numel()} values identical" if ok
+                                      else f"{got.tolist()} ({got.dtype}) vs upstream {want.tolist()} ({want.dtype})"))
+    return checks
+
+
 def golden_generate_probe(case, sides) -> list[CheckResult]:
     from converters import ConversionError, convert_diffusers_dir_to_canonical_state_dict
 
@@ -361,10 +381,12 @@ def golden_generate_probe(case, sides) -> list[CheckResult]:
                     got.float(), out[f"initial_{m}"])
                 results.append(CheckResult(f"{name}:initial_{m}", ok, detail="seeded draw identical to upstream's"
                                            if ok else f"initial {m} latents differ from upstream's seeded draw"))
-        want_ts = out.get("model_timesteps", out.get("timesteps"))
+        want_ts = out["model_timesteps"] if "model_timesteps" in out else out.get("timesteps")
         ok = want_ts is not None and list(timesteps) == want_ts.tolist()
         results.append(CheckResult(f"{name}:model_timesteps", ok,
-                                   detail="" if ok else f"{timesteps} vs upstream {want_ts.tolist()}"))
+                                   detail="" if ok else f"{timesteps} vs upstream "
+                                                        f"{None if want_ts is None else want_ts.tolist()}"))
+        results += golden_schedule_checks(name, side, req, out)
         for m in ("vision", "sound", "action"):
             if f"latents_{m}" not in out:
                 continue

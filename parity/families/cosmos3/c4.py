@@ -299,6 +299,7 @@ def golden_pipeline_request(case, cfg: Cosmos3Config, condition: torch.Tensor | 
 def golden_pipeline_probe(case, sides) -> list[CheckResult]:
     """Both sides: encode the stored conditioning image (i2v) with their own VAE, generate, decode; compare with the
     pipeline's decoded frames (output_type "pt": [T, 3, H, W] in [0, 1]) and waveform, plus the latents on the way."""
+    from parity.families.cosmos3.c1 import golden_schedule_checks  # c1 imports this module's neighbours: lazy
     comp = golden_components(case)
     tol, out = case.tolerance, case.outputs
     params = case.meta.get("params", {})
@@ -336,6 +337,7 @@ def golden_pipeline_probe(case, sides) -> list[CheckResult]:
         results.append(CheckResult(f"{name}:model_timesteps", ok,
                                    detail="" if ok else f"{timesteps} vs upstream "
                                                         f"{None if want_ts is None else want_ts.tolist()}"))
+        results += golden_schedule_checks(name, side, req, out)
         chk(f"{name}:vision", latents.get("vision"), "latents_vision")
         if "trajectory_vision" in out:
             steps = [compare(st["vision"], out["trajectory_vision"][k]) for k, st in enumerate(trajectory)]

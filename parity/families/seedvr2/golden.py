@@ -8,8 +8,10 @@ import re
 
 import torch
 
+from manifests import ManifestError
 from parity.errors import SetupError, UpstreamConversionFailed
-from parity.family import golden_probe
+from parity.family import GoldenOutputs, golden_probe
+from parity.golden import case_config, config_file
 from parity.families.seedvr2.c0 import Recorder, compare_check
 from parity.report import CheckResult
 
@@ -20,20 +22,56 @@ import reference.seedvr2 as ref
 # `apply_rotary_emb(freqs, q.float())` with the fp32 `rope.rope.freqs` buffer, even under bf16 autocast): a bf16
 # conversion must keep those buffers fp32 (canonical name `blocks.<i>.attn.rope.freqs`).
 UPSTREAM_FP32 = re.compile(r"^blocks\.\d+\.attn\.rope\.freqs$")
-BLOCK_TXT = re.compile(r"^block_(\d+)_txt_3b_(\d+)$")
+BLOCK_TRACED = re.compile(r"^block_(\d+)_(txt|vid)_(.+)$")  # block_<i>_<txt|vid>_<tag>[_<k>]
 
 
-def _golden_weights(case, name: str, variant: str | None = None, dtype: str | None = None):
-    """(config, canonical state) of upstream/<name> through fvconvert's official_pth manifest (the DiT), or the
-    VAE state as stored (its upstream names are the canonical names)."""
-    from converters import ConversionError, convert_to_state_dict
+def _nadit_config(case, spec: dict):
+    """A model's architecture: its upstream constructor config (`spec["config"]`, SeedVR's `dit.model`), mapped
+    as fvconvert maps `--config`; `spec["variant"]` only for cases made before configs were carried."""
+    from manifests.seedvr2.config import load_variant, nadit_from_upstream_config
+    try:
+        if spec.get("config") is not None:
+            return nadit_from_upstream_config(spec["config"])
+        if spec.get("variant") is not None:
+            return load_variant(spec["variant"])
+    except (ManifestError, KeyError, TypeError, ValueError) as e:
+        raise SetupError(f"golden case {case.path}: bad NaDiT config ({type(e).__name__}: {e})") from None
+    raise SetupError(f"golden case {case.path}: a NaDiT model needs its upstream config (\"config\": dit.model)")
+
+
+def _vae_config(case, upstream: dict | None, legacy_variant: str | None):
+    from manifests.seedvr2.config import load_vae_variant, vae_from_upstream_config
+    try:
+        if upstream is not None:
+            return vae_from_upstream_config(upstream)
+        if legacy_variant is not None:
+            return load_vae_variant(legacy_variant)
+    except (ManifestError, KeyError, TypeError, ValueError) as e:
+        raise SetupError(f"golden case {case.path}: bad VAE config ({type(e).__name__}: {e})") from None
+    raise SetupError(f"golden case {case.path}: the VAE needs its upstream config (vae.model)")
+
+
+def _upstream_file(case, name: str):
     path = case.path / "upstream" / name
     if not path.is_file():
         raise SetupError(f"golden case {case.path}: missing upstream/{name}")
-    if variant is None:
+    return path
+
+
+def _golden_weights(case, name: str, spec: dict | None = None, dtype: str | None = None):
+    """(config, canonical state) of upstream/<name>: a NaDiT (spec = its model entry) through fvconvert's
+    official_pth manifest with the case's own config as `--config`, or the VAE state as stored (its upstream
+    names are the canonical names; config None)."""
+    from converters import ConversionError, convert_to_state_dict
+    path = _upstream_file(case, name)
+    if spec is None:
         return None, torch.load(path, weights_only=True, map_location="cpu")
-    try:
-        return convert_to_state_dict("seedvr2", case.meta["upstream_format"], path, variant=variant, dtype=dtype)
+    _nadit_config(case, spec)  # a bad or missing config is the case's own fault (malformed), not the converter's
+    own = spec.get("config")
+    try:  # the upstream config goes in as `fvconvert --config` does (official_pth maps SeedVR's dit.model)
+        with config_file(own) as conf:
+            return convert_to_state_dict("seedvr2", case.meta["upstream_format"], path, config=conf, dtype=dtype,
+                                         variant=None if own is not None else spec.get("variant"))
     except ConversionError as e:
         raise UpstreamConversionFailed(f"golden case {case.path}: {e}") from None
 
@@ -58,65 +96,129 @@ def bf16_dtype_errors(cfg, state: dict[str, torch.Tensor]) -> tuple[list[str], i
 
 def bf16_conversion_check(case, tag: str, spec: dict) -> CheckResult:
     """The upstream checkpoint converted (fvconvert's manifest, in memory) with target dtype bf16."""
-    cfg, state = _golden_weights(case, spec["weights"], spec["variant"], dtype="bfloat16")
+    cfg, state = _golden_weights(case, spec["weights"], spec, dtype="bfloat16")
     wrong, n_fp32 = bf16_dtype_errors(cfg, state)
     return CheckResult(f"{case.name}/conversion:{tag}:bf16_dtypes", not wrong and n_fp32 > 0,
                        detail=f"{len(state)} tensors, {n_fp32} kept fp32" if not wrong else
                        f"{len(wrong)} tensors with the wrong dtype, e.g. {'; '.join(wrong[:3])}")
 
 
-@golden_probe(required=("vid_sample_3b_0", "vid_sample_3b_1", "vid_sample_7b"),
-              optional=("emb_*", "txt_in_*", "vid_in_*", "block_*_txt_3b_*"))
+NADIT_TRACED = ("emb", "txt_in", "vid_in")   # stored intermediates: the Recorder's names (reference/seedvr2/nadit.py)
+
+
+def nadit_models(case) -> dict[str, dict]:
+    """params.models {tag: {"config" | "variant", "weights", "batch"}}, each model optional (one alone is a case);
+    `batch` "per_call" (one call per stored input set k; the 3B default: upstream's 3B mixes text q/k across a
+    batch) or "joint" (every call as one batch, as upstream ran its 7B)."""
+    models = case.params.get("models")
+    n = case.params.get("num_calls")
+    if not isinstance(models, dict) or not models or not isinstance(n, int) or n < 1:
+        raise SetupError(f"golden case {case.path}: seedvr2.nadit needs params.models {{tag: model}} and "
+                         f"params.num_calls (a positive int)")
+    out = {}
+    for tag, spec in models.items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("weights"), str):
+            raise SetupError(f"golden case {case.path}: params.models.{tag} needs weights (a file in upstream/)")
+        batch = spec.get("batch", "per_call" if _nadit_config(case, spec).is_3b else "joint")
+        if batch not in ("per_call", "joint"):
+            raise SetupError(f"golden case {case.path}: params.models.{tag}.batch must be per_call or joint")
+        out[tag] = {**spec, "batch": batch}
+    return out
+
+
+def nadit_outputs_for(case) -> GoldenOutputs:
+    """Per model of params.models: its prediction(s) required, its intermediates optional; any other output
+    (e.g. a model the case does not list) is undeclared."""
+    n, required, optional = int(case.params.get("num_calls", 0) or 0), [], []
+    for tag, spec in nadit_models(case).items():
+        if spec["batch"] == "per_call":
+            required += [f"vid_sample_{tag}_{k}" for k in range(n)]
+        else:
+            required.append(f"vid_sample_{tag}")
+        optional += [f"{t}_{tag}*" for t in NADIT_TRACED] + [f"block_*_txt_{tag}*", f"block_*_vid_{tag}*"]
+    return GoldenOutputs(tuple(required), tuple(optional))
+
+
+def _traced_checks(case, name: str, rec: Recorder, suffix: str, tol) -> list[CheckResult]:
+    """Every stored intermediate of one call (`suffix` "<tag>_<k>" or "<tag>"): emb / txt_in / vid_in and the
+    blocks' text / video outputs (block_<i>_<txt|vid>_<suffix>), against the side's trace of the same names."""
+    checks = []
+    for inter in NADIT_TRACED:
+        key = f"{inter}_{suffix}"
+        if key in case.outputs:
+            want = case.outputs[key]
+            got = rec.records.get(inter)
+            checks.append(compare_check(f"{name}/{key}", got.reshape(want.shape), want, tol) if got is not None
+                          and got.numel() == want.numel() else
+                          CheckResult(f"{name}/{key}", False, detail=f"{inter} not traced (or its size differs)"))
+    for out_name in sorted(case.outputs):  # names only: reading the tensor is what counts as checking it
+        m = BLOCK_TRACED.match(out_name)
+        if m and m.group(3) == suffix:
+            got = rec.records.get(f"blocks.{m.group(1)}.{m.group(2)}")
+            checks.append(compare_check(f"{name}/{out_name}", got, case.outputs[out_name], tol) if got is not None
+                          else CheckResult(f"{name}/{out_name}", False,
+                                           detail=f"blocks.{m.group(1)}.{m.group(2)} not traced"))
+    return checks
+
+
+def _per_call_traces(model, case, n: int) -> Recorder:
+    """A joint model's stored intermediates hold one row block per call, in batch order (upstream's batched call);
+    the sides trace the first sample of a batch only, so each call runs alone traced and the traces are
+    concatenated: exact for the 7B, whose samples do not interact (its batch output equals the per-call ones)."""
+    recs = []
+    for k in range(n):
+        rec = Recorder()
+        _nadit_call(model, case, k, trace=rec)
+        recs.append(rec.records)
+    joint = Recorder()
+    joint.records = {name: torch.cat([r[name].reshape(-1, r[name].shape[-1]) for r in recs])
+                     for name in recs[0] if all(name in r for r in recs)}
+    return joint
+
+
 def golden_nadit_probe(case, sides) -> list[CheckResult]:
-    """Each model of params.models on each call (3B: one call each, then both calls as one batch, which must equal
-    the per-call outputs; 7B: both calls as one batch, as upstream ran it), prediction and stored intermediates
-    (the 3B last block's text output included: upstream returns it though nothing downstream reads it); then the
-    checkpoint converted to bf16 keeps the right tensors fp32."""
-    tol, n = case.tolerance, int(case.meta["params"]["num_calls"])
+    """Each model of params.models on each side: per_call models once per stored call k (then every call as one
+    batch, which must equal the per-call outputs), joint models on every call as one batch; prediction and every
+    stored intermediate (the 3B last block's text output included: upstream returns it though nothing downstream
+    reads it); then the checkpoint converted to bf16 keeps the right tensors fp32."""
+    tol, n = case.tolerance, int(case.params["num_calls"])
     checks: list[CheckResult] = []
-    for tag, spec in case.meta["params"]["models"].items():
-        cfg, state = _golden_weights(case, spec["weights"], spec["variant"])
+    for tag, spec in nadit_models(case).items():
+        cfg, state = _golden_weights(case, spec["weights"], spec)
         for side in sides:
             model = ref.load_nadit(cfg, state) if side == "reference" else opt.load_fast_nadit(cfg, state)
             name = f"{case.name}/{side}:{tag}"
-            if tag == "3b":  # upstream 3B mixes text q/k across a batch: its goldens are single-sample calls
+            if spec["batch"] == "per_call":
                 for k in range(n):
                     rec = Recorder()
                     got = _nadit_call(model, case, k, trace=rec)
-                    checks.append(compare_check(f"{name}/vid_sample_{k}", got, case.outputs[f"vid_sample_3b_{k}"], tol))
-                    for inter in ("emb", "txt_in", "vid_in"):
-                        want = case.outputs.get(f"{inter}_3b_{k}")
-                        if want is not None:
-                            checks.append(compare_check(f"{name}/{inter}_{k}", rec.records[inter].reshape(want.shape),
-                                                        want, tol))
-                    for out_name, want in sorted(case.outputs.items()):
-                        m = BLOCK_TXT.match(out_name)
-                        if m and int(m.group(2)) == k:
-                            got_txt = rec.records.get(f"blocks.{m.group(1)}.txt")
-                            checks.append(compare_check(f"{name}/block_{m.group(1)}_txt_{k}", got_txt, want, tol)
-                                          if got_txt is not None else
-                                          CheckResult(f"{name}/block_{m.group(1)}_txt_{k}", False,
-                                                      detail=f"blocks.{m.group(1)}.txt not traced"))
+                    checks.append(compare_check(f"{name}/vid_sample_{k}", got, case.outputs[f"vid_sample_{tag}_{k}"],
+                                                tol))
+                    checks += _traced_checks(case, name, rec, f"{tag}_{k}", tol)
                 got = _nadit_call(model, case, list(range(n)))
-                rows = [case.outputs[f"vid_sample_3b_{k}"] for k in range(n)]
+                rows = [case.outputs[f"vid_sample_{tag}_{k}"] for k in range(n)]
                 checks.append(compare_check(f"{name}/batched_per_sample", got, torch.cat(rows), tol))
             else:
                 got = _nadit_call(model, case, list(range(n)))
                 checks.append(compare_check(f"{name}/vid_sample", got, case.outputs[f"vid_sample_{tag}"], tol))
+                if any(o.endswith(f"_{tag}") and o != f"vid_sample_{tag}" for o in case.outputs):  # intermediates
+                    checks += _traced_checks(case, name, _per_call_traces(model, case, n), tag, tol)
         checks.append(bf16_conversion_check(case, tag, spec))
     return checks
+
+
+golden_nadit_probe.golden_outputs_for = nadit_outputs_for
 
 
 @golden_probe(required=("moments", "posterior_mean", "posterior_std", "decoded"),
               optional=("posterior_logvar",), required_with={"posterior_noise": ("posterior_sample",)})
 def golden_vae_probe(case, sides) -> list[CheckResult]:
     """Encode (raw moments, posterior mean / std; the sample only when its noise draw is stored) and decode of the
-    stored posterior mean."""
-    from manifests.seedvr2 import load_vae_variant
+    stored posterior mean. The architecture: case.json config (SeedVR's vae.model)."""
     from optimized.models.seedvr2.vae import load_fast_vae
     from reference.seedvr2.vae import load_vae
     _, state = _golden_weights(case, "upstream_weights.pth")
-    cfg = load_vae_variant(case.meta["params"]["variant"])
+    cfg = _vae_config(case, case_config(case), case.params.get("variant"))
     tol, x, out = case.tolerance, case.inputs["x"], case.outputs
     checks = []
     for side in sides:
@@ -126,6 +228,9 @@ def golden_vae_probe(case, sides) -> list[CheckResult]:
             mean, std = vae.posterior(x)
             checks.append(compare_check(f"{case.name}/{side}:posterior_mean", mean, out["posterior_mean"], tol))
             checks.append(compare_check(f"{case.name}/{side}:posterior_std", std, out["posterior_std"], tol))
+            if "posterior_logvar" in out:  # upstream's clamped log-variance: log(std^2)
+                checks.append(compare_check(f"{case.name}/{side}:posterior_logvar", torch.log(std.double() ** 2).float(),
+                                            out["posterior_logvar"], tol))
             if "posterior_noise" in case.inputs:
                 checks.append(compare_check(f"{case.name}/{side}:posterior_sample",
                                             mean + std * case.inputs["posterior_noise"], out["posterior_sample"], tol))
@@ -136,16 +241,18 @@ def golden_vae_probe(case, sides) -> list[CheckResult]:
 
 @golden_probe(required=("cond_latent", "dit_vid_sample", "x0_latent", "decoded", "output_uint8"))
 def golden_restore_probe(case, sides) -> list[CheckResult]:
-    """The one-step restoration end to end; output_uint8 may differ by one where decoded sits on a rounding tie."""
-    from manifests.seedvr2 import load_vae_variant
+    """The one-step restoration end to end; output_uint8 may differ by one where decoded sits on a rounding tie.
+    The architecture: case.json config {"dit": {"model": ...}, "vae": {"model": ...}} (SeedVR's main.yaml)."""
     from optimized.models.seedvr2.pipeline import RestorationLoop
     from optimized.models.seedvr2.vae import load_fast_vae
     from reference.seedvr2.sampler import restore
     from reference.seedvr2.vae import load_vae
-    params, tol, i, o = case.meta["params"], case.tolerance, case.inputs, case.outputs
-    cfg, dit_state = _golden_weights(case, "dit.pth", params["variant"])
+    params, tol, i, o = case.params, case.tolerance, case.inputs, case.outputs
+    own = case_config(case) or {}
+    dit_spec = {"config": (own.get("dit") or {}).get("model"), "variant": params.get("variant")}
+    cfg, dit_state = _golden_weights(case, "dit.pth", dit_spec)
     _, vae_state = _golden_weights(case, "vae.pth")
-    vae_cfg = load_vae_variant(params["vae_variant"])
+    vae_cfg = _vae_config(case, (own.get("vae") or {}).get("model"), params.get("vae_variant"))
     args = (i["lq_video"], i["txt_pos"], i["noise"], i["vae_posterior_noise"])
     checks = []
     for side in sides:
