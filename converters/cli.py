@@ -25,6 +25,7 @@ from converters.manifest import load_manifest
 from converters.pipeline import PIPELINE, detect_format
 from converters.staging import Interrupted
 from manifests.errors import ManifestError
+from manifests.layouts import bare_variant
 
 PROG = "fvconvert"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -186,6 +187,8 @@ def _make_family_command(fam_name: str) -> click.Command:
                 skip_parity, max_shard_size, quiet) -> int:
         if dtype is not None and dtype.lower() not in DTYPE_ALIASES:
             raise click.BadParameter(f"{dtype!r}; use float32, bfloat16 or float16", param_hint="'--dtype'")
+        if variant is not None:                          # variants are per family: 'wan:tiny-2.1' is wan's tiny-2.1
+            variant = bare_variant(fam_name, variant)
         target = detect_format(fam_name, fmt, src)     # `--from diffusers DIR`: which component / a pipeline root
         if target == PIPELINE:
             return _convert_pipeline(fam_name, src, out, variant, dtype, force, allow_nonfinite, skip_parity,

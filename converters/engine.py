@@ -47,6 +47,7 @@ from converters.staging import check_output, make_dir, staged_output, staging_na
 from converters.writer import (INDEX_NAME, OutTensor, json_bytes, plan_shards, shard_names, write_bytes,
                                write_safetensors)
 from manifests.checkpoint import weights_version_of
+from manifests.layouts import bare_variant
 from manifests.errors import ManifestError
 
 ENGINE_VERSION = 2
@@ -157,6 +158,14 @@ def resolve_source(manifest: CheckpointManifest, src: str | Path, config: str | 
                               f"transformer config.json)")
     return ResolvedSource(src=src, config_path=cpath, weights_kind=kind, weights_path=wpath,
                           expected=tuple(expected), weights_sha256=wsha)
+
+
+def _bare_variant(family_name: str, variant: str | None) -> str | None:
+    """'wan:tiny-2.1' -> 'tiny-2.1' (variants are per family; another family's qualified name is an error)."""
+    try:
+        return None if variant is None else bare_variant(family_name, variant)
+    except ManifestError as e:
+        raise ConversionError(str(e)) from None
 
 
 def _load_variant(family: Family, variant: str) -> Any:
@@ -729,6 +738,7 @@ def _renamed(plan: Plan) -> list[dict]:
 def _prepare(family_name: str, fmt, src, config, dtype, allow_truncate, variant):
     manifest = _manifest_of(family_name, fmt)
     family = get_family(family_name, manifest.component)
+    variant = _bare_variant(family_name, variant)
     if variant is not None and variant not in family.list_variants():
         raise ConversionError(f"unknown variant {variant!r} for {family_name}; known: {', '.join(family.list_variants())}")
     res = resolve_source(manifest, src, config, variant)

@@ -102,6 +102,15 @@ def list_cmd(probes: bool) -> None:
                                        "planted faults (--plant-fault)"]))
 
 
+def qualified_variants(fam, variants) -> list[str]:
+    """--variant takes a family's own names, bare or qualified ('wan:tiny-2.1-t2v'); another family's is refused."""
+    from manifests.layouts import LayoutError, bare_variant
+    try:
+        return [bare_variant(fam.name, v) for v in variants]
+    except LayoutError as e:
+        raise SetupError(f"--variant: {e}") from None
+
+
 @cli.command("run")
 @click.argument("family")
 @click.option("--level", required=True, type=click.Choice(list(LEVELS)),
@@ -147,6 +156,7 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
         check_device(device)
         check_json_path(json_path)
         fam = get_family(family)
+        variants = qualified_variants(fam, variants)
         if level not in fam.levels:
             raise SetupError(f"level {level} is not implemented for {family} yet "
                              f"(implemented: {', '.join(fam.levels) or 'none'})")

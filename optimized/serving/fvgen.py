@@ -96,6 +96,11 @@ def load_engine(family: str | None, model: str | None, variant: str | None, devi
         raise UsageError("give exactly one of --model OUT (a converted checkpoint) or --variant NAME (random weights)")
     tdtype = getattr(torch, DTYPES[dtype])
     if variant is not None:
+        from optimized.registry import split_variant   # 'wan:tiny' names its family (variants are per family)
+        try:
+            family, variant = split_variant(variant, family)
+        except UnknownFamily as e:
+            raise UsageError(f"--variant: {e}") from None
         if family is None:
             raise UsageError(f"--variant needs the family: fvgen {{{','.join(_family_names())}}} --variant ...")
         try:
