@@ -1,7 +1,7 @@
 """fvgen: prompt (or token ids) -> video file, through the optimized engine's video program.
 
   fvgen wan --variant tiny --prompt "a cat" --out clip.mp4                 random weights, no checkpoint (CPU, seconds)
-  fvgen cosmos3 --model OUT --prompt "..." --frames 17 --size 480x640 --out clip.mp4
+  fvgen cosmos3 --model OUT --prompt "..." --frames 17 --size 640x480 --out clip.mp4   (WIDTHxHEIGHT)
   fvgen wan --variant tiny --prompt-ids 5,17,42 --steps 8 --out frames/     a directory: PNG frames + video.json
   fvgen card wan --variant tiny                                             the DeploymentCard as JSON
   fvgen serve wan --variant tiny --port 8000                                the HTTP server (`serve` extra)
@@ -15,8 +15,9 @@ Prompts: the family's processor turns a prompt into token ids when the family ha
 byte-level ids (each UTF-8 byte modulo the text vocabulary, truncated to the model's text length); with a converted
 checkpoint and no processor a `--prompt` is refused (use --prompt-ids).
 
---size is HEIGHTxWIDTH in pixels; --frames is the pixel frame count (4k + 1). Progress (one bar per stage: encode
-chunks, denoise steps, decode chunks) goes to stderr; the result summary (JSON) to stdout.
+--size is WIDTHxHEIGHT in pixels (OpenAI's and ffmpeg's order, as the server's `size`); --frames is the pixel frame
+count (4k + 1). Progress (per stage: encode chunks, denoise steps, decode chunks) goes to stderr, as a redrawn bar on
+a terminal and as plain lines (every 10%) into a file or pipe; the result summary (JSON) to stdout.
 
 Exit codes: 0 written; 1 the generation failed or was cancelled, SIGTERM / Ctrl-C included (nothing written, no
 temp file left); 2 usage or setup error (bad argument, unknown variant or device, missing checkpoint or extra,
@@ -125,12 +126,20 @@ def load_engine(family: str | None, model: str | None, variant: str | None, devi
 
 
 class Progress:
-    """One bar per stage on stderr: '[denoise] ########------  6/8'."""
+    """Progress per stage on stderr. A terminal gets one redrawn bar per stage ('[denoise] ########------  6/8');
+    anything else (a log file, a pipe) gets plain lines, one per stage start and at every 10% ('denoise: 6/8 steps'):
+    no carriage returns in a file."""
 
-    def __init__(self, stream=sys.stderr, width: int = 24, quiet: bool = False):
-        self.stream, self.width, self.quiet = stream, width, quiet
+    def __init__(self, stream=None, width: int = 24, quiet: bool = False, tty: bool | None = None):
+        self.stream = sys.stderr if stream is None else stream
+        self.width, self.quiet = width, quiet
+        if tty is None:
+            isatty = getattr(self.stream, "isatty", None)
+            tty = bool(isatty()) if callable(isatty) else False
+        self.tty = tty
         self.totals: dict[str, int | None] = {}
         self.current: str | None = None
+        self.logged = -1                  # the last tenth logged (non-TTY)
 
     def __call__(self, ev: Any) -> None:
         if self.quiet:
@@ -139,6 +148,7 @@ class Progress:
             self._close()
             self.current = ev.data["stage"]
             self.totals[self.current] = ev.data.get("total")
+            self.logged = -1
             self._draw(0)
         elif ev.kind == "progress":
             self._draw(ev.data["step"])
@@ -149,15 +159,23 @@ class Progress:
 
     def _draw(self, done: int) -> None:
         total = self.totals.get(self.current) or max(done, 1)
-        fill = int(self.width * min(done, total) / total)
         unit = "steps" if self.current == "denoise" else "chunks"
+        if not self.tty:
+            tenth = 10 * min(done, total) // total
+            if tenth > self.logged:   # the stage's start, then each 10% reached (its end included)
+                self.logged = tenth
+                self.stream.write(f"{self.current}: {done}/{total} {unit}\n")
+                self.stream.flush()
+            return
+        fill = int(self.width * min(done, total) / total)
         self.stream.write(f"\r[{self.current:>7}] {'#' * fill}{'-' * (self.width - fill)} {done:>3}/{total} {unit}")
         self.stream.flush()
 
     def _close(self) -> None:
         if self.current is not None:
-            self.stream.write("\n")
-            self.stream.flush()
+            if self.tty:
+                self.stream.write("\n")
+                self.stream.flush()
             self.current = None
 
 
@@ -175,7 +193,7 @@ def _generate_parser() -> argparse.ArgumentParser:
     g.add_argument("--negative-prompt", help="negative prompt (default: empty)")
     g.add_argument("--negative-prompt-ids", help="negative token ids, comma separated")
     g.add_argument("--frames", type=int, help="pixel frames, 4k + 1 (default: the family's small default, 5)")
-    g.add_argument("--size", help="HEIGHTxWIDTH in pixels, e.g. 480x640 (default 32x32)")
+    g.add_argument("--size", help="WIDTHxHEIGHT in pixels, e.g. 640x480 (default 32x32)")
     g.add_argument("--steps", type=int, help="denoising steps (default 4)")
     g.add_argument("--guidance", type=float, help="CFG scale; > 1 runs classifier-free guidance (default 5.0)")
     g.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
@@ -185,7 +203,7 @@ def _generate_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     r.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model dtype (default fp32)")
     r.add_argument("--plan", default="none", help="parallel plan; only 'none' is supported for now")
-    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
 
