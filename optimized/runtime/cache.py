@@ -55,9 +55,13 @@ class CacheKey:
     input_hashes: tuple[tuple[str, str], ...] = ()   # sorted (name, hash) pairs; a dict is accepted and sorted
     seed: int | None = None                          # for values that depend on sampled noise
     step_index: int | None = None                    # for per-step values (e.g. a denoise-step cache)
+    # sorted (adapter name, adapter version) pairs of the LoRA adapters the value was computed with (designv2):
+    # () = the base weights alone; a dict is accepted and sorted
+    adapter_versions: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_hashes", _pairs(self.input_hashes))
+        object.__setattr__(self, "adapter_versions", _pairs(self.adapter_versions))
         self.validate()
 
     def validate(self) -> "CacheKey":
@@ -69,6 +73,10 @@ class CacheKey:
         names = [k for k, _ in self.input_hashes]
         if len(set(names)) != len(names):
             raise CacheKeyError(f"CacheKey.input_hashes has duplicate names: {names}")
+        adapters = [k for k, _ in self.adapter_versions]
+        if len(set(adapters)) != len(adapters) or any(not k or not v for k, v in self.adapter_versions):
+            raise CacheKeyError(f"CacheKey.adapter_versions must name each adapter once with a version: "
+                                f"{self.adapter_versions}")
         if self.step_index is not None and self.step_index < 0:
             raise CacheKeyError(f"CacheKey.step_index must be >= 0, got {self.step_index}")
         return self
