@@ -279,6 +279,81 @@ def mutate_cmd(family, jobs, only, categories, check_names, min_score, timeout, 
     sys.exit(1 if min_score is not None and (run.score is None or 100 * run.score < min_score) else 0)
 
 
+@cli.group("port")
+def port_group() -> None:
+    """Start a port: write a new family's skeleton from an upstream class."""
+
+
+@port_group.command("new")
+@click.argument("family")
+@click.option("--from", "spec", required=True, metavar="diffusers:CLASS",
+              help="The upstream model class, e.g. diffusers:DiTTransformer2DModel.")
+@click.option("--tiny", "tiny", multiple=True, metavar="NAME=VALUE",
+              help="Override a field of the derived tiny config (repeatable; JSON values).")
+@click.option("--dry-run", is_flag=True, help="Print the files it would write and write nothing.")
+def port_new_cmd(family, spec, tiny, dry_run) -> None:
+    """Write FAMILY's folders (manifests/, reference/, optimized/models/, parity/families/, golden/, a test) from
+    the upstream class: config + tiny variant, canonical keys and a diffusers CheckpointManifest from its state-dict
+    names, both sides' modules and family entries, C0 with one planted fault, a golden maker. Nothing outside those
+    folders changes; `fvparity list` shows the family at once and C0 fails "not implemented: reference.forward"
+    until the two forwards are written. Exit 2 when the family exists or the class cannot be scaffolded."""
+    import json as _json
+    from parity.port import scaffold
+
+    try:
+        overrides = {}
+        for item in tiny:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise SetupError(f"--tiny {item!r}: expected NAME=VALUE")
+            try:
+                overrides[key] = _json.loads(raw)
+            except ValueError:
+                overrides[key] = raw
+        plan = scaffold.build(family, spec, overrides)
+        paths = sorted(plan.files) if dry_run else [str(p.relative_to(scaffold.ROOT)) for p in scaffold.write(plan)]
+    except SetupError as e:
+        _fail_setup(str(e))
+    for p in paths:
+        click.echo(("would write " if dry_run else "wrote ") + p)
+    for note in plan.notes:
+        click.echo(note)
+
+
+@cli.command("align")
+@click.argument("family")
+@click.option("--upstream", "spec", required=True, metavar="diffusers:CLASS", help="The upstream class to align with.")
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
+              help="An upstream (diffusers) model folder; default: the variant with seeded random weights.")
+@click.option("--variant", default=None, help="The family variant (default: its first default variant).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the weights and the inputs.")
+@click.option("--plant-upstream", "plant", default=None, metavar="MODULE",
+              help="Negative control: scale this upstream module's output by 1.01; align must name it.")
+@click.option("--save", "save", type=click.Path(file_okay=False), default=None,
+              help="Freeze the inputs, upstream weights, output and module outputs into this golden case folder.")
+@click.option("--force", is_flag=True, help="With --save: replace an existing case.")
+def align_cmd(family, spec, checkpoint, variant, seed, plant, save, force) -> None:
+    """Run upstream and both sides of FAMILY on the same seeded inputs and weights, pair modules through the
+    family's CheckpointManifest key map, and print the first module whose output diverges (both names, both
+    shapes, the metrics). Exit 0 aligned, 1 a divergence (or a side that does not run), 2 setup."""
+    from parity import align as A
+
+    try:
+        if save and plant:
+            raise SetupError("--save with --plant-upstream would freeze a planted difference into a golden")
+        result, run, inputs, traces = A.align(family, spec, variant, checkpoint, seed, plant,
+                                              progress=lambda m: click.echo(m, err=True))
+        kept = A.save_case(Path(save), result, run, inputs, traces, seed, force) if save else None
+    except SetupError as e:
+        _fail_setup(str(e))
+    click.echo(A.table(result))
+    click.echo(f"{family} align vs {spec}: {'ALIGNED' if result.passed else 'DIVERGED'} "
+               f"({result.paired} upstream modules paired; tolerance rel_l2 <= {result.tolerance.rel_l2})")
+    if kept is not None:
+        click.echo(f"wrote {save} ({len(kept)} intermediates)")
+    sys.exit(0 if result.passed else 1)
+
+
 def main() -> None:
     import os
 
