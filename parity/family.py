@@ -2,8 +2,9 @@
 
 Each module (or package) under parity/families/ exports exactly one `FAMILY = ParityFamily(...)`. The registry
 (parity/families/__init__.py) discovers them with pkgutil; `fvparity list`, `fvparity run`, the golden probe
-table (parity/golden.py) and the fvconvert post-checks (pyproject entry points, checked against the entries by
-tests/test_parity_registry.py) are read from these entries, never from a hand-written list.
+table (parity/golden.py) and the fvconvert post-checks (found at run time as `parity.families.<family>.FAMILY`
+by converters/hooks.py, no entry point) are read from these entries, never from a hand-written list. A family with
+only components (a transformer port, no loop) declares C0 alone and is as valid as any other.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class ParityFamily:
     default_variants: tuple[str, ...]                # what `run` checks without --variant (tiny, CPU seconds)
     faults: tuple[Fault, ...] = ()
     golden_probes: Mapping[str, GoldenProbe] = field(default_factory=dict)   # case.json "probe" -> probe
-    check_converted: PostCheck | None = None         # fvconvert's post-conversion check (C0 on converted weights)
+    check_converted: PostCheck | None = None         # fvconvert's post-conversion check (C0 on converted weights);
+                                                     # fvconvert exits 2 for a family without one (--skip-parity)
     supports_world_size: bool = False                # `--world-size` (a sequence-parallel plan) applies
     component_post_checks: Mapping[str, PostCheck] = field(default_factory=dict)  # "<family>.<component>" -> check
     # (level, plan) runs `fvparity mutate` adds to the levels (`run:C1@cfgp2`): the parallel code paths run only
