@@ -5,6 +5,9 @@
     handle = await engine.submit(request)                              # or prompt=... / prompt_ids=... fields
     async for event in handle.events(): ...                            # VideoEvent: request.*, progress per step
     await handle.cancel()                                              # stops at the next step boundary
+    handle = await engine.submit(request, on_output=fn)                # fn(VideoEvent "media.video_chunk") per
+                                                                       # decoded latent chunk, as it is ready
+    async with engine.session(num_steps=4) as session: ...            # realtime sessions (serving/realtime.py)
     await engine.close()
 
 Threading: only the driver thread touches the scheduler. The control plane never waits on a tick: `submit` builds
@@ -21,6 +24,11 @@ resolves.
 Retention: `handles` holds every unfinished request; a finished one is held (with its result) until its owner fetches
 it (`await handle.result()`, `release(id)`) or `result_ttl` seconds pass, and at most `max_finished` of them (oldest
 dropped first). An Engine is driven by one AsyncEngine at a time, and request ids are unique per Engine.
+
+Streamed outputs: one bus subscription (made here, removed at close) sees every `request.output` of the scheduler on
+the driver thread; a decode chunk of a program submitted with `on_output` is turned into uint8 frames there and
+handed to `on_output` on the event loop, before that program's terminal event. Nothing of it is kept in the handle's
+history (a chunk's frames live as long as the callback holds them).
 """
 
 from __future__ import annotations
@@ -177,6 +185,8 @@ class AsyncEngine:
         self._subs: list[tuple[str, Callable[[VideoEvent], Any]]] = []
         self._commands: queue.Queue = queue.Queue()
         self._closed = False
+        self._output_fns: dict[str, Callable[[VideoEvent], Any]] = {}   # program id -> on_output (unfinished only)
+        self._sessions: Any = None                                      # SessionManager, made on first use
         self.driver_errors: list[str] = []
         from optimized.serving.families import media_chain
         for name in engine.family.loops:   # built here, before the driver runs: submit's checks read them
@@ -186,6 +196,7 @@ class AsyncEngine:
         except ValueError:
             pass  # no media chain: every video request is refused at submit, naming what is missing
         engine.__dict__["_async_driver"] = self
+        self._unsubscribe_outputs = engine.subscribe(self._on_output, prefix="request.output")
         self._thread = threading.Thread(target=self._drive, name="fv-engine-driver", daemon=True)
         self._thread.start()
 
@@ -264,11 +275,15 @@ class AsyncEngine:
         return given
 
     async def submit(self, request: Any = None, *, out: Any = None, image: Any = None,
-                     request_id: str | None = None, **fields: Any) -> AsyncHandle:
+                     request_id: str | None = None, on_output: Callable[[VideoEvent], Any] | None = None,
+                     **fields: Any) -> AsyncHandle:
         """Queue a video request: a family request, or plain fields (prompt / prompt_ids, num_frames, height, width,
         num_steps, guidance_scale, seed, negative_prompt(_ids), image) built by `serving.requests.build_request`.
         Returns once it is queued (never waits on the driver). Raises QueueFull when `max_queue` requests are in
-        flight, ServingError / RequestRejected (ValueErrors) when invalid."""
+        flight, ServingError / RequestRejected (ValueErrors) when invalid. `on_output(event)` (on the event loop)
+        gets each decoded chunk as the decode loop produces it: `VideoEvent("media.video_chunk", id, {"chunk",
+        "video_frames": [start, end), "frames": uint8 [end - start, H, W, 3]})`, all of them before the terminal
+        event."""
         if self._closed:
             raise EngineClosed("the engine is closed")
         self._expire()
@@ -286,8 +301,11 @@ class AsyncEngine:
         handle = AsyncHandle(self, rid, out, prog)
         # the listener is attached before the program starts: no event is missed
         prog.subscribe(lambda ev: self.loop.call_soon_threadsafe(handle._deliver, ev))
+        self.engine.bus.open_program(rid)   # its trace / session context (the caller's `submission` scope): events.py
         self.active.add(rid)  # counted before the driver runs it, so a burst cannot overshoot max_queue
         self.handles[rid] = handle
+        if on_output is not None:
+            self._output_fns[rid] = on_output
 
         def start() -> None:
             if handle.cancel_requested:   # cancelled before the driver reached it: nothing was submitted
@@ -342,7 +360,60 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a subscriber's bug is its own
                     log.warning("AsyncEngine subscriber %r raised on %s", fn, ev.kind, exc_info=True)
 
+    # driver thread: every request.output of the scheduler
+    def _on_output(self, ev: Any) -> None:
+        rid = ev.request_id or ""
+        pid, _, stage = rid.rpartition("/")
+        if stage != "decode" or pid not in self._output_fns:
+            return
+        chunk = ev.data.get("output")
+        frames = getattr(chunk, "frames", None)
+        if frames is None:
+            return
+        from optimized.runtime.artifacts import to_uint8_frames
+        data = {"stage": stage, "chunk": int(chunk.step_index), "video_frames": list(chunk.video_frames),
+                "frames": to_uint8_frames(frames)}   # converted here: the event loop never runs tensor work
+        self.loop.call_soon_threadsafe(self._deliver_output, VideoEvent("media.video_chunk", pid, data))
+
+    def _deliver_output(self, ev: VideoEvent) -> None:
+        fn = self._output_fns.get(ev.request_id)
+        if fn is None:
+            return
+        try:
+            fn(ev)
+        except Exception:  # noqa: BLE001 - a consumer's bug is its own
+            log.warning("on_output callback %r raised on %s", fn, ev.kind, exc_info=True)
+
+    # ---------------------------------------------------------------- realtime sessions
+    @property
+    def sessions(self) -> Any:
+        """This engine's SessionManager (`optimized.serving.realtime`), made with defaults on first use."""
+        if self._sessions is None:
+            self.configure_sessions()
+        return self._sessions
+
+    def configure_sessions(self, **options: Any) -> Any:
+        """Make the SessionManager with `options` (idle_timeout_s, max_sessions, history bounds); before any
+        session is opened."""
+        from optimized.serving.realtime import SessionManager
+        if self._sessions is not None and self._sessions.sessions:
+            raise RuntimeError("sessions are already open on this engine; configure them before the first one")
+        self._sessions = SessionManager(self, **options)
+        return self._sessions
+
+    async def open_session(self, **options: Any) -> Any:
+        """A new realtime Session (see `SessionManager.open`: session_id, idle_timeout_s, conditioning fields)."""
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        return await self.sessions.open(**options)
+
+    def session(self, **options: Any) -> Any:
+        """`async with engine.session(**options) as s:` opens a Session and closes it on exit."""
+        from optimized.serving.realtime import SessionScope
+        return SessionScope(self, options)
+
     def _finished(self, handle: AsyncHandle) -> None:
+        self._output_fns.pop(handle.request_id, None)
         self.active.discard(handle.request_id)
         if handle.request_id in self.handles:
             self._finished_order[handle.request_id] = None
@@ -359,6 +430,8 @@ class AsyncEngine:
         """Cancel what is in flight (or let it finish), stop the driver thread."""
         if self._closed:
             return
+        if self._sessions is not None:
+            await self._sessions.close("shutdown")   # their generations are cancelled with the rest below
         if cancel:
             for rid in list(self.active):
                 await self.handles[rid].cancel()
@@ -367,6 +440,7 @@ class AsyncEngine:
         self._closed = True
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, 10.0)
+        self._unsubscribe_outputs()
         if self.engine.__dict__.get("_async_driver") is self:
             del self.engine.__dict__["_async_driver"]
 

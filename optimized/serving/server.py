@@ -61,6 +61,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimized.serving.async_engine import AsyncEngine, EngineClosed, QueueFull
 from optimized.serving.requests import default_fps, frame_step, takes_image
+from optimized.serving.sessions import install_sessions
+from optimized.serving.observability import install_observability
 from optimized.serving.videos_api import (FIELDS, BadField, FrameRule, ImageLimits, api_status, content_urls,  # noqa: F401
                                           error, frames_to_seconds, guess_param, list_page, parse_fields,
                                           public_param, request_schema, scrub)
@@ -282,6 +284,8 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
     app.state.begin_shutdown = begin_shutdown
     app.state.store = store
     app.state.model_name = name
+    install_sessions(app, engine, api_key=api_key)   # realtime sessions (WebSocket): optimized/serving/sessions.py
+    install_observability(app, engine)   # /metrics, spans, JSON event logs: optimized/serving/observability.py
 
     def video_object(entry: VideoEntry) -> dict:
         """OpenAI's video object (+ the extension fields vllm-omni clients read: width, height, num_frames, fps,
