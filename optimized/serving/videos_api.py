@@ -235,7 +235,7 @@ def parse_fields(body: dict, image_bytes: bytes | None, image: ImageLimits, rule
         kw.update(_lora_resolver(body["lora"]))
     if "prompt" not in kw and "prompt_ids" not in kw:
         raise BadField("prompt", "prompt (or prompt_ids) is required", code="missing_required_parameter")
-    param = "input_reference" if body.get("input_reference") is not None else "image"
+    param = "input_reference" if "input_reference" in body else "image"   # the name the client used
     if body.get("image") is not None and body.get("input_reference") is not None:
         raise BadField("input_reference", "give image or input_reference, not both")
     given = _image_reference(body.get("image", body.get("input_reference")))
