@@ -176,6 +176,19 @@ def read_diffusers_dir(case: GoldenCase, sub: str = "upstream") -> tuple[dict, d
     return config, {k: v.float() for k, v in state.items()}
 
 
+def posterior_sample_seed(case: GoldenCase) -> int | None:
+    """The seed of an encode case's posterior draw, or None when the case stores no `posterior_sample` (mean and
+    std are the encoder's output; the sample is optional). A stored sample without `params.sample_seed` cannot be
+    drawn again: a malformed case."""
+    seed = case.params.get("sample_seed")
+    if "posterior_sample" not in case.outputs:
+        return None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise SetupError(f"golden case {case.path}: posterior_sample is stored but params.sample_seed (an int, the "
+                         f"draw's generator seed) is missing")
+    return seed
+
+
 # ------------------------------------------------------------------------------------------------
 # Declared outputs, intermediates, unchecked tensors
 # ------------------------------------------------------------------------------------------------

@@ -299,6 +299,15 @@ def load_bf16(upstream: Path):
     return model
 
 
+def upstream_config(model) -> dict:
+    """The config.json `save_pretrained` writes: what an original-layout case carries as case.json `config` (the
+    release layout has no config the converter reads; golden/README.md)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d, safe_serialization=True)
+        return json.loads((Path(d) / "config.json").read_text())
+
+
 def build_case(name: str, out_root: Path) -> Path:
     import diffusers
     import transformers
@@ -339,6 +348,7 @@ def build_case(name: str, out_root: Path) -> Path:
     meta = {"family": "wan", "probe": spec["probe"], "upstream": {**upstream, "torch": torch.__version__},
             "upstream_format": fmt, "dtype": dtype, "seed": spec["seed"],
             "tolerance": {"rel_l2": spec.get("tolerance", REL_L2_TOL)},
+            **({"config": upstream_config(model)} if fmt == "original" else {}),
             "params": params, "description": spec["description"]}
     (case / "case.json").write_text(json.dumps(meta, indent=2) + "\n")
     for f in case.rglob("*"):

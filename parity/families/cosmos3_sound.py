@@ -15,8 +15,8 @@ from manifests import ManifestError
 from manifests.cosmos3.sound import Cosmos3SoundConfig, canonical_key_shapes, list_variants, load_variant
 from manifests.parity import Tolerance, load_parity_contract
 from parity.errors import SetupError
-from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily
-from parity.golden import read_diffusers_dir
+from parity.family import DTYPE_NAMES, DTYPES, Fault, ParityFamily, golden_probe
+from parity.golden import posterior_sample_seed, read_diffusers_dir
 from parity.localise import ChunkTrace, first_divergence
 from parity.metrics import compare
 from parity.report import CheckResult, Report, exceptions_fail, tensor_check as check
@@ -253,18 +253,20 @@ def golden_sound_decode_probe(case, sides) -> list[CheckResult]:
     return results
 
 
+@golden_probe(required=("posterior_mean", "posterior_std"), optional=("posterior_sample",))
 def golden_sound_encode_probe(case, sides) -> list[CheckResult]:
-    """Reference side only: the optimized runtime has no sound encoder (the pipeline never encodes sound)."""
+    """Reference side only: the optimized runtime has no sound encoder (the pipeline never encodes sound). The
+    posterior sample is compared only where the case stores it with its draw (`params.sample_seed`)."""
     cfg, state = _sound_case(case)
-    seed = case.meta.get("params", {}).get("sample_seed")
-    if seed is None:
-        raise SetupError(f"golden case {case.path}: params.sample_seed missing")
+    seed = posterior_sample_seed(case)
     results = []
     if "reference" in sides:
         with torch.no_grad():
             post = ref_sound.load_sound_tokenizer(cfg, state).encode(case.inputs["audio"])
-            sample = post.sample(torch.Generator().manual_seed(seed))
-        for name, got in (("posterior_mean", post.mean), ("posterior_std", post.std), ("posterior_sample", sample)):
+        rows = [("posterior_mean", post.mean), ("posterior_std", post.std)]
+        if seed is not None:
+            rows.append(("posterior_sample", post.sample(torch.Generator().manual_seed(seed))))
+        for name, got in rows:
             results.append(check(f"{case.name}/reference:{name}", got, case.outputs[name], case.tolerance))
     return results
 

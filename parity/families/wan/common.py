@@ -290,14 +290,20 @@ def localise_dit(reference_model, fast, x: DiTInputs, tol: Tolerance) -> str:
 def convert_upstream(case, src) -> tuple[Any, dict[str, torch.Tensor]]:
     """A golden case's upstream component folder through fvconvert's in-memory path (the `--from` alias of the
     case's upstream_format, detected from the folder's config): (config, canonical state dict). The original Wan-AI
-    layout carries no config the converter reads: its architecture is `params.variant` (as `--variant`)."""
+    layout carries no config the converter reads: its architecture is case.json `config` (the upstream config, as
+    `--config`; golden/README.md), `params.variant` (as `--variant`) only for cases made before."""
     from converters import ConversionError, convert_to_state_dict
     from converters.pipeline import detect_format
+    from parity.golden import case_config, config_file
 
     fmt = case.meta["upstream_format"]
-    variant = case.meta.get("params", {}).get("variant") if fmt == "original" else None
+    own = case_config(case) if fmt == "original" else None
+    variant = case.meta.get("params", {}).get("variant") if fmt == "original" and own is None else None
+    if fmt == "original" and own is None and variant is None:
+        raise SetupError(f"golden case {case.path}: an original-layout case carries its config (case.json config)")
     try:
-        return convert_to_state_dict("wan", detect_format("wan", fmt, src), src, variant=variant)
+        with config_file(own) as conf:
+            return convert_to_state_dict("wan", detect_format("wan", fmt, src), src, config=conf, variant=variant)
     except ConversionError as e:
         raise UpstreamConversionFailed(f"golden case {case.path}: {src.name}/: {e}") from None
     except ManifestError as e:

@@ -28,6 +28,7 @@ from parity.families.wan.cases import DIT_ANCHORS, DiTCase, dit_cases
 from parity.families.wan.common import (DIT_KEEP_FP32, DiTInputs, cast_state, convert_upstream, localise_dit,
                                         run_optimized_dit, run_reference_dit)
 from parity.family import golden_probe
+from parity.golden import intermediate_checks, stored_intermediates
 from parity.metrics import compare, within
 from parity.report import CheckResult, tensor_check as check
 
@@ -148,7 +149,8 @@ GOLDEN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def golden_dit_probe(case, sides) -> list[CheckResult]:
     """Each stored call k: inputs latents_k, timestep_k, text_k (+ image_embeds_k) -> pred_k, on each side, in the
     case's dtype (float32, or bfloat16 with the upstream `_keep_in_fp32_modules` kept fp32). A documented output
-    missing from the case fails the case."""
+    missing from the case fails the case. Stored intermediates `pred_k@<module>` (diffusers module names, as both
+    sides' traces name them) are compared and the first diverging one is named (golden/README.md)."""
     from optimized.models.wan.transformer import WanDiTFast
     from reference.wan import load_wan_transformer
 
@@ -178,11 +180,18 @@ def golden_dit_probe(case, sides) -> list[CheckResult]:
                 continue
             x = DiTInputs(case.inputs[f"latents_{k}"], case.inputs[f"timestep_{k}"], case.inputs[f"text_{k}"],
                           case.inputs.get(f"image_embeds_{k}")).to("cpu", dtype)
-            got = run_reference_dit(model, x) if side == "reference" else run_optimized_dit(model, x)
+            traced: dict[str, torch.Tensor] | None = {} if stored_intermediates(case, f"pred_{k}") else None
+            got = run_reference_dit(model, x, traced) if side == "reference" else run_optimized_dit(model, x, traced)
             m = compare(got.float(), case.outputs[f"pred_{k}"].float())
-            results.append(CheckResult(name, within(m, tol), m, tol,
-                                       detail=f"latents {list(x.latents.shape)}, timestep {list(x.timestep.shape)}"
-                                              + ("" if dtype == torch.float32 else f", {case.meta['dtype']}")))
+            pred = CheckResult(name, within(m, tol), m, tol,
+                               detail=f"latents {list(x.latents.shape)}, timestep {list(x.timestep.shape)}"
+                                      + ("" if dtype == torch.float32 else f", {case.meta['dtype']}"))
+            results.append(pred)
+            if traced is not None:  # intermediates (pred_k@<diffusers module>): where the side leaves upstream
+                inter = intermediate_checks(case, side, f"pred_{k}", traced, tol)
+                if inter and not inter[0].passed and not pred.passed:
+                    pred.divergence = inter[0].divergence
+                results += inter
     return results
 
 
