@@ -201,6 +201,14 @@ def declared_outputs(probe, case: GoldenCase):
     return per_case(case) if per_case is not None else getattr(probe, "golden_outputs", None)
 
 
+def undeclared_outputs(case: GoldenCase, declared) -> list[str]:
+    """Stored outputs the probe does not declare (required, required_with or optional) and the case does not
+    ignore."""
+    allowed = set(declared.required) | set(declared.optional) | {o for outs in declared.required_with.values()
+                                                                 for o in outs}
+    return sorted(n for n in case.outputs if not any(fnmatchcase(n, pat) for pat in allowed) and not case.ignored(n))
+
+
 def output_checks(case: GoldenCase, declared) -> list[CheckResult]:
     """Strict outputs: a required output the case lacks, or an output the probe does not declare (so nothing
     would compare it) and the case does not ignore, is a failed check."""
@@ -208,9 +216,8 @@ def output_checks(case: GoldenCase, declared) -> list[CheckResult]:
     for inp, outs in declared.required_with.items():
         if inp in case.inputs:
             required |= set(outs)
-    allowed = required | set(declared.optional)
     missing = sorted(n for n in required if n not in case.outputs)
-    extra = sorted(n for n in case.outputs if not any(fnmatchcase(n, pat) for pat in allowed) and not case.ignored(n))
+    extra = undeclared_outputs(case, declared)
     checks = []
     if missing:
         checks.append(CheckResult(f"{case.name}/outputs:required", False,
@@ -267,8 +274,9 @@ def intermediate_checks(case: GoldenCase, side: str, output: str, traced: dict[s
     return [CheckResult(row, False, m, tol, detail=detail, divergence=module)]
 
 
-def unchecked_check(case: GoldenCase) -> CheckResult | None:
-    unread = case.unread()
+def unchecked_check(case: GoldenCase, reported: set[str]) -> CheckResult | None:
+    """`reported`: stored tensors ("outputs:x") another row already names (undeclared outputs): named once."""
+    unread = [n for n in case.unread() if n not in reported]
     if not unread:
         return None
     return CheckResult(f"{case.name}/tensors:unchecked", False,
@@ -290,7 +298,8 @@ def run_probe(probe, case: GoldenCase, sides: tuple[str, ...]) -> list[CheckResu
         checks += probe(case, sides)
     raised = any(c.name == f"{case.name}/probe" for c in checks[n_before:])
     if not raised and all(s in sides for s in SIDES_FOR_UNCHECKED):
-        extra = unchecked_check(case)
+        undeclared = {f"outputs:{n}" for n in undeclared_outputs(case, declared)} if declared is not None else set()
+        extra = unchecked_check(case, undeclared)
         checks += [extra] if extra is not None else []
     return checks
 
