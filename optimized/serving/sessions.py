@@ -262,7 +262,8 @@ def install_sessions(app: FastAPI, engine: Any, *, api_key: str | None = None, p
         return {"sessions": len(sessions), "connected": sum(s.state.connected for s in sessions),
                 "generating": sum(s.generating for s in sessions),
                 "closed": dict(manager.closed_count) if manager is not None else {},
-                "asyncio_tasks": len(asyncio.all_tasks()), "engine_handles": len(eng.handles) if eng else 0}
+                "asyncio_tasks": len(asyncio.all_tasks()), "engine_handles": len(eng.handles) if eng else 0,
+                "output_callbacks": len(eng._output_fns) if eng else 0}
 
 
 __all__ = ["PATH", "install_sessions", "event_json"]
