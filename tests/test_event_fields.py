@@ -124,3 +124,37 @@ def test_traceparent_parsing_follows_w3c(header, ok):
     assert (parsed is not None) == ok, (header, parsed)
     if ok and header.startswith("00"):
         assert parsed.header() == header
+
+
+def test_a_sessions_generation_events_carry_its_session_id():
+    from optimized.serving.async_engine import AsyncEngine
+
+    eng = Engine.from_variant(VARIANT, seed=0)
+    seen = recorded(eng)
+
+    async def main() -> tuple[str, str]:
+        driver = AsyncEngine(eng)
+        try:
+            async with driver.session(num_steps=1, num_frames=5, seed=1) as s:
+                await s.push_text("a cat")
+                rid = await s.generate()
+                async for ev in s.events():
+                    if ev.kind in ("generation.completed", "generation.failed"):
+                        break
+                return s.session_id, rid
+        finally:
+            await driver.close()
+
+    session_id, rid = asyncio.run(asyncio.wait_for(main(), 60))
+    mine = [ev for ev in seen if ev.request_id and ev.request_id.startswith(rid + "/")]
+    assert mine and {ev.session_id for ev in mine} == {session_id}
+
+
+def test_the_engine_core_imports_no_metrics_or_tracing_library():
+    import subprocess
+    import sys
+    code = ("import sys, optimized.engine, optimized.serving.async_engine, optimized.runtime.events; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prometheus_client', 'opentelemetry')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"the engine core imported {done.stdout.strip()} {done.stderr[-500:]}"
