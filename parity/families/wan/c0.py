@@ -4,6 +4,7 @@ Per whole-model variant (or converted checkpoint), per dtype:
     dit/..., dit_2/...    the DiT expert(s): full forward on the anchor and rule-generated cases of the `--cases`
                           matrix (cases.py), batched, each block alone, traces (dit.py)
     umt5/...              the text encoder and WanPipeline's prompt handling (umt5.py)
+    image_encoder/...     2.1 I2V: the CLIP image encoder and its processor (clip.py; tiny encoder, random weights)
     scheduler/...         UniPC (flow) and FlowMatch Euler: reference solver vs optimized functional state on the
                           same synthetic velocities (schedules exact, every step's sample)
     vae/...               the model's VAE (vae.py rows; run once per distinct VAE config in a run)
@@ -24,7 +25,7 @@ from manifests.parity import Tolerance
 from manifests.solvers import FlowMatchEulerConfig, UniPCConfig
 from manifests.wan import WanModelConfig, list_variants, load_variant
 from parity.errors import SetupError
-from parity.families.wan import cases as case_lib, dit, faults, umt5, vae
+from parity.families.wan import cases as case_lib, clip, dit, faults, umt5, vae
 from parity.families.wan.common import (DEFAULT_VARIANTS, ModelUnderTest, contract_tolerance, load_optimized_dit,
                                         load_optimized_umt5, load_reference_dit, load_reference_umt5, make_request,
                                         optimized_step_input, reference_pipeline, resolve_models)
@@ -65,6 +66,10 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
             if m.kind in ("model", "text_encoder"):
                 with exceptions_fail(report.checks, f"{prefix}/umt5"):  # an exception fails these rows, not the run
                     report.checks += umt5_rows(prefix, m, tol("umt5"), dtype, device, seed, fault, progress)
+            if m.is_model and m.cfg.dit.image_dim is not None:   # 2.1 I2V: the CLIP encoder feeding the image branch
+                with exceptions_fail(report.checks, f"{prefix}/image_encoder"):
+                    report.checks += clip.clip_rows(prefix, m.cfg.dit.image_dim, tol("image_encoder"), device, dtype,
+                                                    seed, fault)
             if m.is_model:
                 with exceptions_fail(report.checks, f"{prefix}/scheduler"):
                     report.checks += scheduler_checks(f"{prefix}/scheduler", m.cfg, tol("scheduler"), dtype, seed)
@@ -86,6 +91,8 @@ def _planted_in(fault: str) -> str:
         return "optimized DiT (expert 1)"
     if fault in faults.UMT5_FAULTS:
         return "optimized UMT5"
+    if fault in faults.CLIP_FAULTS:
+        return "optimized CLIP image encoder"
     return "optimized VAE"
 
 

@@ -49,6 +49,8 @@ FAULTS = (
     Fault("text-padding-not-zeroed", "UMT5 prompt embeds keep the encoder's outputs at padded positions instead of "
           "WanPipeline's zeros (C1 catches it too: the DiT sees the padded rows)", "C0", "text_encoder.padding"),
     Fault("vae-perturbed-weight", "one weight of VAE decoder stage 1 nudged", "C0", "decoder.up_blocks.1"),
+    Fault("clip-perturbed-weight", "one weight of the CLIP image encoder's layer-0 MLP nudged (i2v models)", "C0",
+          "encoder.layers.0"),
     Fault("rep-context", "VAE temporal upsample conv sees frame 0 as context (upstream's 'Rep' quirk ignored)", "C0"),
     Fault("dropped-cache", "VAE decoder.conv_in's conv cache not carried between chunks", "C0", "decoder.conv_in"),
     Fault("expert-switch-late", "two-expert loop switches to transformer_2 one step after the boundary", "C1",
@@ -86,6 +88,7 @@ PARALLEL_FAULT_DECLS = (
 FAULT_NAMES = tuple(f.name for f in FAULTS)
 DIT_FAULTS = ("rope-wrong-axis", "perturbed-weight")
 UMT5_FAULTS = ("text-padding-not-zeroed",)
+CLIP_FAULTS = ("clip-perturbed-weight",)   # clip.py plants it
 VAE_FAULTS = {"vae-perturbed-weight": "perturbed-weight", "rep-context": "rep-context",
               "dropped-cache": "dropped-cache"}   # family name -> the name vae.py plants
 LOOP_FAULTS = ("expert-switch-late",)
@@ -96,7 +99,7 @@ PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swa
                        "ulysses-heads-interleaved": "sp_ulysses"}   # fault -> its plan axis
 PARALLEL_FAULTS = tuple(PARALLEL_FAULT_AXES)
 
-C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + tuple(VAE_FAULTS)
+C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + CLIP_FAULTS + tuple(VAE_FAULTS)
 C1_FAULTS = DIT_FAULTS + UMT5_FAULTS + LOOP_FAULTS + GRAPH_FAULTS + PARALLEL_FAULTS
 C4_FAULTS = DECODE_FAULTS
 
