@@ -570,7 +570,30 @@ def _sanity(params: dict[str, Any], inputs: dict[str, torch.Tensor], out: dict[s
 # case building / verification
 
 
-def _case_json(up, spec: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+# every stored tensor is checked or ignored with a reason (golden/README.md): with explicit initial latents
+# (the pipeline's `latents=`) upstream skips the conditioning mix, so these inputs only need the right shape
+EXPLICIT_LATENTS_IGNORE = {
+    "condition_latents": "noise_vision is given (the pipeline's latents=): upstream skips the conditioning mix, "
+                         "its conditioned frames already hold these values; only the shape is read",
+    "raw_actions": "noise_action is given: upstream skips the action conditioning mix, its rows already hold the "
+                   "actions; only the shape is read",
+}
+
+
+NO_CFG_NEGATIVE = "guidance_scale 1: upstream makes no uncond call, so the negative prompt feeds nothing"
+
+
+def input_ignores(inputs: dict[str, Any], params: dict[str, Any]) -> dict[str, str]:
+    explicit = {"condition_latents": "noise_vision", "raw_actions": "noise_action"}
+    out = {k: EXPLICIT_LATENTS_IGNORE[k] for k, given in explicit.items() if k in inputs and given in inputs}
+    if float(params["guidance_scale"]) == 1.0 and "negative_input_ids" in inputs:
+        out["negative_input_ids"] = NO_CFG_NEGATIVE
+    return out
+
+
+def _case_json(up, spec: dict[str, Any], params: dict[str, Any], inputs: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    ignore = input_ignores(inputs or {}, params)
     return {
         "family": FAMILY,
         "probe": PROBE,
@@ -582,6 +605,7 @@ def _case_json(up, spec: dict[str, Any], params: dict[str, Any]) -> dict[str, An
         "tolerance": {"rel_l2": spec.get("tolerance") or REL_L2_TOL},
         "params": params,
         "description": spec["description"],
+        **({"ignore": ignore} if ignore else {}),
         # not read by fvparity: how upstream was driven, for re-running it (weights of these don't matter)
         "upstream_run": {
             "vae": {"class": "AutoencoderKLWan", "config": VAE_CONFIG},
@@ -661,7 +685,7 @@ def build_case(name: str, spec: dict[str, Any], out_root: Path) -> Path:
     fp32_transformer.save_pretrained(tmp / "upstream", safe_serialization=True)  # fp32 weights, always
     save_file(inputs, str(tmp / "inputs.safetensors"), metadata={"format": "pt"})
     save_file(out, str(tmp / "outputs.safetensors"), metadata={"format": "pt"})
-    (tmp / "case.json").write_text(_dumps(_case_json(up, spec, params)) + "\n")
+    (tmp / "case.json").write_text(_dumps(_case_json(up, spec, params, inputs)) + "\n")
     for f in tmp.rglob("*"):
         f.chmod(0o755 if f.is_dir() else 0o644)
     if case_dir.exists():
