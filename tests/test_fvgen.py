@@ -170,3 +170,20 @@ def test_sigterm_while_writing_leaves_no_temp_files_and_exits_1(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err
     assert list(tmp_path.iterdir()) == [], "temp files left behind after SIGTERM"
+
+
+def test_progress_bars_only_on_a_terminal():
+    import io
+    from types import SimpleNamespace as Ev
+
+    events = [Ev(kind="request.stage", data={"stage": "denoise", "total": 20})] + \
+        [Ev(kind="progress", data={"step": i}) for i in range(1, 21)] + [Ev(kind="request.completed", data={})]
+    log, tty = io.StringIO(), io.StringIO()
+    for stream, is_tty in ((log, False), (tty, True)):
+        p = fvgen.Progress(stream, tty=is_tty)
+        for ev in events:
+            p(ev)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and lines[0] == "denoise: 0/20 steps" and lines[-1] == "denoise: 20/20 steps"
+    assert len(lines) == 11                                           # the start, then each 10%
+    assert tty.getvalue().count("\r") == 21 and tty.getvalue().endswith("20/20 steps\n")
