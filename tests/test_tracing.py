@@ -126,3 +126,37 @@ def test_without_a_traceparent_a_new_trace_starts_and_logs_carry_its_id(tmp_path
     line = done[0]
     assert line["trace_id"] == trace_id and line["level"] == "info" and line["logger"] == "optimized.events"
     assert line["model_id"] and line["worker_id"] and line["versions"]["weights"]
+
+
+def test_without_opentelemetry_the_server_serves_and_still_counts(tmp_path, monkeypatch):
+    import sys
+    for name in [m for m in sys.modules if m == "opentelemetry" or m.startswith("opentelemetry.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)        # `import opentelemetry` now fails
+    sync = Engine.from_variant("tiny-2.1-t2v", seed=0)
+    app = server.create_app(sync, output_dir=tmp_path / "videos")
+    assert app.state.observability.tracing is None
+    with TestClient(app) as client:
+        vid = client.post("/v1/videos", json=SMALL,
+                          headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}).json()["id"]
+        assert finished(client, vid) == "completed"
+        assert 'fv_requests_total{status="completed"} 1.0' in client.get("/metrics").text
+
+
+@pytest.mark.parametrize("argv, env, want", [([], None, "text"), (["--log-format", "json"], None, "json"),
+                                             ([], "json", "json"), (["--log-format", "text"], "json", "text")])
+def test_log_format_comes_from_the_option_or_the_environment(argv, env, want, monkeypatch):
+    if env is None:
+        monkeypatch.delenv("FVGEN_LOG_FORMAT", raising=False)
+    else:
+        monkeypatch.setenv("FVGEN_LOG_FORMAT", env)
+    assert server.build_parser().parse_args(argv).log_format == want
+
+
+@pytest.mark.parametrize("argv, env", [(["--log-format", "xml"], None), ([], "yaml")])
+def test_a_bad_log_format_is_a_usage_error(argv, env, monkeypatch, capsys):
+    if env is not None:
+        monkeypatch.setenv("FVGEN_LOG_FORMAT", env)
+    with pytest.raises(SystemExit) as stop:
+        server.build_parser().parse_args(argv)
+    assert stop.value.code == 2 and "must be one of text, json" in capsys.readouterr().err
