@@ -304,3 +304,84 @@ def test_close_cancels_the_running_generation_and_forgets_everything(engine):
     s, status, outputs, handles, sessions = run(main())
     assert status in ("cancelled", "released") and s.state.status == "closed"
     assert outputs == {} and handles == {} and sessions == {} and not s._watchers
+
+
+@pytest.fixture(scope="module")
+def cosmos3():
+    return Engine.from_variant("tiny", seed=0)
+
+
+def test_cosmos3_reasoning_streams_each_token_at_its_step_then_generates_from_it(cosmos3):
+    async def main():
+        eng = AsyncEngine(cosmos3)
+        streamed_at_step: list[int] = []
+
+        def on_step(ev):   # driver thread, right after AsyncEngine's own subscriber saw the same step
+            loop = eng._loops.get(ev.request_id)
+            if loop is not None:
+                streamed_at_step.append(loop.tokens_seen)
+
+        unsubscribe = cosmos3.subscribe(on_step, prefix="trace.step")
+        try:
+            async with eng.session(num_steps=2, seed=4) as s:
+                await s.push_text("why is the sky blue")
+                rid = await s.reason(max_new_tokens=5, then_generate=True)
+                events = await until(s, "generation.completed")
+                return rid, events, s.last_result, list(streamed_at_step)
+        finally:
+            unsubscribe()
+            await eng.close()
+
+    rid, events, result, streamed_at_step = run(main())
+    tokens = [e for e in events if e.kind == "reasoning.token"]
+    done = next(e for e in events if e.kind == "reasoning.completed")
+    assert [t.data["index"] for t in tokens] == [0, 1, 2, 3, 4]
+    assert [t.data["token_id"] for t in tokens] == done.data["tokens"] and len(done.data["tokens"]) == 5
+    assert all(t.data["text"] is None for t in tokens)          # a random-weight variant has no tokenizer
+    # one token streamed per step as it is sampled (prefill samples the first), not all at the end; the last
+    # step only caches the final token's K/V for the hand-off (export_und_kv)
+    assert streamed_at_step == [1, 2, 3, 4, 5, 5]
+    kinds = [e.kind for e in events]
+    assert kinds.index("reasoning.completed") < kinds.index("generation.started")
+    generated = [e for e in events if e.kind == "media.video_chunk"]
+    assert generated and all(e.data["request_id"] != rid for e in generated)
+    # the generation's prompt is the reasoning's prompt + generated text
+    prompt = list("why is the sky blue".encode())
+    assert result.request.text_ids.tolist() == prompt + done.data["tokens"]
+
+
+def test_reasoning_is_interrupted_at_a_step_boundary(cosmos3):
+    async def main():
+        eng = AsyncEngine(cosmos3)
+        try:
+            async with eng.session() as s:
+                await s.push_text("think long")
+                rid = await s.reason(max_new_tokens=200)
+                await until(s, "reasoning.token")
+                assert await s.interrupt() == rid
+                events = await until(s, "session.interrupted")
+                return rid, events, dict(eng._loops), set(eng.active), rid in cosmos3.scheduler.records
+        finally:
+            await eng.close()
+
+    rid, events, loops, active, recorded = run(main())
+    stopped = next(e for e in events if e.kind == "generation.interrupted")
+    tokens = [e for e in events if e.kind == "reasoning.token"]
+    assert stopped.data["steps_run"] < 200 and stopped.data["steps_run"] == len(tokens)
+    assert "reasoning.completed" not in [e.kind for e in events]
+    assert loops == {} and active == set() and not recorded    # nothing of it is left on the engine
+
+
+def test_reasoning_on_a_model_without_a_reasoning_loop_is_refused(engine):
+    async def main():
+        eng = AsyncEngine(engine)
+        try:
+            async with eng.session() as s:
+                await s.push_text("x")
+                with pytest.raises(FieldError) as e:
+                    await s.reason()
+                return e.value
+        finally:
+            await eng.close()
+
+    assert run(main()).field == "reason"

@@ -7,6 +7,8 @@
     await handle.cancel()                                              # stops at the next step boundary
     handle = await engine.submit(request, on_output=fn)                # fn(VideoEvent "media.video_chunk") per
                                                                        # decoded latent chunk, as it is ready
+    loop = await engine.submit_loop(reason_request, on_output=fn)      # a plain loop request (no media stages);
+    result = await loop.result()                                       # fn(VideoEvent "reasoning.token") per token
     async with engine.session(num_steps=4) as session: ...            # realtime sessions (serving/realtime.py)
     await engine.close()
 
@@ -28,7 +30,9 @@ dropped first). An Engine is driven by one AsyncEngine at a time, and request id
 Streamed outputs: one bus subscription (made here, removed at close) sees every `request.output` of the scheduler on
 the driver thread; a decode chunk of a program submitted with `on_output` is turned into uint8 frames there and
 handed to `on_output` on the event loop, before that program's terminal event. Nothing of it is kept in the handle's
-history (a chunk's frames live as long as the callback holds them).
+history (a chunk's frames live as long as the callback holds them). A loop request (`submit_loop`, e.g. cosmos3
+reasoning) streams the tokens each step added to its state (`generated`: the AR loop's), read on the driver right
+after the step's `trace.step`, one `reasoning.token` event per token.
 """
 
 from __future__ import annotations
@@ -165,6 +169,46 @@ class AsyncHandle:
             self.engine._post(self.program.cancel)
 
 
+class LoopHandle:
+    """One plain loop request on an AsyncEngine (a family request without media stages, e.g. cosmos3 reasoning)."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, on_output: Callable[[VideoEvent], Any] | None):
+        self.engine, self.request_id, self.on_output = engine, request_id, on_output
+        self.final_status: str | None = None           # completed | failed | cancelled
+        self.error: str | None = None
+        self.tokens_seen = 0                           # driver side: tokens already streamed
+        self.cancel_requested = False
+        self._result: asyncio.Future = engine.loop.create_future()
+
+    async def result(self) -> Any:
+        """The loop's result (its `finalize`); RuntimeError saying why when it failed or was cancelled."""
+        return await asyncio.shield(self._result)
+
+    async def wait(self) -> str:
+        await asyncio.wait([self._result])
+        return self.final_status
+
+    async def cancel(self) -> None:
+        """Stop at the next step boundary (returns at once)."""
+        if self.final_status is None and not self.cancel_requested:
+            self.cancel_requested = True
+            sched = self.engine.engine.scheduler
+            self.engine._post(lambda: sched.cancel(self.request_id) if self.request_id in sched.records else None)
+
+    def _end(self, status: str, value: Any, error: str | None) -> None:   # event loop
+        if self.final_status is not None:
+            return
+        self.final_status, self.error = status, error
+        if status == "completed":
+            self._result.set_result(value)
+        else:
+            self._result.set_exception(RuntimeError(f"request {self.request_id} {status}"
+                                                    + (f": {error}" if error else "")))
+            self._result.exception()   # retrieved: nobody has to await a failed request
+        self.engine._loops.pop(self.request_id, None)
+        self.engine.active.discard(self.request_id)
+
+
 class AsyncEngine:
     def __init__(self, engine: Any, *, max_queue: int = 64, idle_sleep: float = 0.05,
                  loop: asyncio.AbstractEventLoop | None = None, result_ttl: float = 600.0, max_finished: int = 256):
@@ -186,6 +230,7 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._closed = False
         self._output_fns: dict[str, Callable[[VideoEvent], Any]] = {}   # program id -> on_output (unfinished only)
+        self._loops: dict[str, LoopHandle] = {}                         # unfinished loop requests
         self._sessions: Any = None                                      # SessionManager, made on first use
         self.driver_errors: list[str] = []
         from optimized.serving.families import media_chain
@@ -196,7 +241,7 @@ class AsyncEngine:
         except ValueError:
             pass  # no media chain: every video request is refused at submit, naming what is missing
         engine.__dict__["_async_driver"] = self
-        self._unsubscribe_outputs = engine.subscribe(self._on_output, prefix="request.output")
+        self._unsubscribe_outputs = engine.subscribe(self._on_bus)
         self._thread = threading.Thread(target=self._drive, name="fv-engine-driver", daemon=True)
         self._thread.start()
 
@@ -239,6 +284,8 @@ class AsyncEngine:
             h = self.handles.get(rid)
             if h is not None and h.program.status not in TERMINAL:
                 h.program.fail(f"engine error: {msg}")
+            elif rid in self._loops:
+                self.loop.call_soon_threadsafe(self._loops[rid]._end, "failed", None, f"engine error: {msg}")
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the driver and wait for its answer (tests and tools; the control plane uses `_post`)."""
@@ -270,7 +317,8 @@ class AsyncEngine:
         if "/" in given:
             raise ValueError(f"request id {given!r}: '/' is reserved for stage ids")
         records = self.engine.scheduler.records
-        if given in self.handles or any(f"{given}/{stage}" in records for stage in ("encode", "denoise", "decode")):
+        if given in self.handles or given in self._loops or given in records \
+                or any(f"{given}/{stage}" in records for stage in ("encode", "denoise", "decode")):
             raise ValueError(f"request_id {given!r} already used")
         return given
 
@@ -360,8 +408,46 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001 - a subscriber's bug is its own
                     log.warning("AsyncEngine subscriber %r raised on %s", fn, ev.kind, exc_info=True)
 
-    # driver thread: every request.output of the scheduler
-    def _on_output(self, ev: Any) -> None:
+    async def submit_loop(self, request: Any, *, request_id: str | None = None,
+                          on_output: Callable[[VideoEvent], Any] | None = None, **options: Any) -> LoopHandle:
+        """Queue a plain family request (its type picks the loop, `options` go to its job, as `Engine.submit`) on
+        the shared scheduler. Refused here (RequestRejected) before anything is queued; QueueFull as `submit`.
+        `on_output(event)` (event loop) gets `VideoEvent("reasoning.token", id, {"index", "token_id"})` for
+        every token the loop's steps add, before the result resolves."""
+        from optimized.runtime.scheduler import RequestRejected as Rejected
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        if len(self.active) >= self.max_queue:
+            raise QueueFull(f"{len(self.active)} requests in flight (max_queue {self.max_queue}); retry later")
+        try:
+            loop_name = self.engine.family.loop_for(request)
+            self.engine.family.make_job(loop_name, request, **options)
+        except TypeError as e:
+            raise Rejected(str(e)) from None
+        self.engine.admit(request, (loop_name,))
+        rid = self._request_id(request_id)
+        handle = LoopHandle(self, rid, on_output)
+        self._loops[rid] = handle     # before the driver can see any of its events
+        self.active.add(rid)
+
+        def start() -> None:
+            if handle.cancel_requested:
+                self.loop.call_soon_threadsafe(handle._end, "cancelled", None, None)
+                return
+            try:
+                self.engine.submit(request, request_id=rid, **options)
+            except Exception as e:  # noqa: BLE001 - refused by the scheduler: this request ends, nothing else
+                self.loop.call_soon_threadsafe(handle._end, "failed", None, f"{type(e).__name__}: {e}")
+
+        self._post(start)
+        return handle
+
+    # driver thread: every event of the scheduler
+    def _on_bus(self, ev: Any) -> None:
+        if ev.request_id in self._loops:
+            return self._on_loop_event(self._loops[ev.request_id], ev)
+        if ev.kind != "request.output":
+            return
         rid = ev.request_id or ""
         pid, _, stage = rid.rpartition("/")
         if stage != "decode" or pid not in self._output_fns:
@@ -374,6 +460,28 @@ class AsyncEngine:
         data = {"stage": stage, "chunk": int(chunk.step_index), "video_frames": list(chunk.video_frames),
                 "frames": to_uint8_frames(frames)}   # converted here: the event loop never runs tensor work
         self.loop.call_soon_threadsafe(self._deliver_output, VideoEvent("media.video_chunk", pid, data))
+
+    def _on_loop_event(self, handle: LoopHandle, ev: Any) -> None:
+        sched = self.engine.scheduler
+        if ev.kind == "trace.step" and handle.on_output is not None:
+            rec = sched.records.get(handle.request_id)
+            generated = getattr(rec.state, "generated", None) if rec is not None else None
+            for i in range(handle.tokens_seen, len(generated or ())):   # this step's tokens (the AR loop: one)
+                self.loop.call_soon_threadsafe(self._deliver_loop_output, handle, VideoEvent(
+                    "reasoning.token", handle.request_id, {"index": i, "token_id": int(generated[i])}))
+            handle.tokens_seen = len(generated or ())
+        elif ev.kind == "request.completed":
+            value = sched.take_result(handle.request_id)
+            self.loop.call_soon_threadsafe(handle._end, "completed", value, None)
+        elif ev.kind in ("request.failed", "request.cancelled"):
+            sched.forget(handle.request_id)
+            self.loop.call_soon_threadsafe(handle._end, ev.kind.split(".")[1], None, ev.data.get("error"))
+
+    def _deliver_loop_output(self, handle: LoopHandle, ev: VideoEvent) -> None:
+        try:
+            handle.on_output(ev)
+        except Exception:  # noqa: BLE001 - a consumer's bug is its own
+            log.warning("on_output callback %r raised on %s", handle.on_output, ev.kind, exc_info=True)
 
     def _deliver_output(self, ev: VideoEvent) -> None:
         fn = self._output_fns.get(ev.request_id)
@@ -434,9 +542,11 @@ class AsyncEngine:
             await self._sessions.close("shutdown")   # their generations are cancelled with the rest below
         if cancel:
             for rid in list(self.active):
-                await self.handles[rid].cancel()
+                await (self.handles.get(rid) or self._loops[rid]).cancel()
         for rid in list(self.active):
-            await self.handles[rid].wait()
+            h = self.handles.get(rid) or self._loops.get(rid)
+            if h is not None:
+                await h.wait()
         self._closed = True
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, 10.0)

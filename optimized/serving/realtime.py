@@ -21,11 +21,17 @@ step boundary). Partial media: the decode stage is the chunked causal VAE decode
 decodes with), one latent frame per step, so each chunk of pixels is streamed as soon as that step ran, before the
 clip is finished; denoising itself produces no pixels until its last step.
 
+Reasoning (a family with a reasoning loop: cosmos3): `await s.reason(max_new_tokens=32, then_generate=True)` runs the
+AR decode loop over the prompt on the same scheduler and streams each sampled token as `reasoning.token` the step
+it is sampled; with then_generate the reasoned text is the next generation's prompt.
+
 Events (kind, data): session.created / session.rejoined {state}, session.updated {field, state}, session.left {},
 generation.started {request_id, prompt, stages}, generation.progress {request_id, stage, step, total},
 media.video_chunk {request_id, chunk, video_frames} + frames, generation.completed {request_id, num_frames,
 height, width, fps, chunks, timings}, generation.interrupted {request_id, steps_run, total_steps}, session.interrupted
-{request_id}, generation.failed {request_id, error}, session.closed {reason: client | idle_timeout | shutdown}.
+{request_id}, generation.failed {request_id, error}, reasoning.started {request_id, prompt, max_new_tokens}, reasoning.token
+{request_id, index, token_id, text (None without a tokenizer)}, reasoning.completed {request_id, tokens,
+stopped_by}, session.closed {reason: client | idle_timeout | shutdown}.
 
 Idle: a session with no generation running and no call from its client (pushes, generate, interrupt, ping, rejoin)
 for `idle_timeout_s` is closed (reason idle_timeout), attached or not. Bounded: at most `max_sessions` open; per
@@ -44,6 +50,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from optimized.runtime.events import submission
 from optimized.serving.families import ServingError
 
 if TYPE_CHECKING:
@@ -96,7 +103,8 @@ class GenerationRecord:
     request_id: str
     prompt: str
     status: str                                    # queued | running | completed | failed | interrupted
-    started_at: float                              # wall clock
+    kind: str = "video"                            # video | reasoning
+    started_at: float = 0.0                        # wall clock
     ended_at: float | None = None
     steps_run: int = 0                             # denoise steps that ran
     total_steps: int | None = None
@@ -306,18 +314,23 @@ class Session:
         self._active()
         if not self.state.prompt:
             raise FieldError("prompt", "push text before generating")
+        return await self._generate()
+
+    async def _generate(self, prompt_ids: list[int] | None = None) -> str:
         if self.generating:
             await self.interrupt()
         self._count += 1
         rid = f"{self.session_id}-g{self._count}"
         image = self.state.images[-1] if self.state.images else None
+        text = {"prompt": self.state.prompt} if prompt_ids is None else {"prompt_ids": prompt_ids}
         try:
-            handle = await self.engine.submit(prompt=self.state.prompt, image=image, request_id=rid,
-                                              on_output=self._on_output, **self.state.conditioning)
+            with submission(session_id=self.session_id):   # its events carry the session id (runtime/events.py)
+                handle = await self.engine.submit(image=image, request_id=rid, on_output=self._on_output, **text,
+                                                  **self.state.conditioning)
         except Exception:
             self._count -= 1
             raise
-        rec = GenerationRecord(rid, self.state.prompt, "queued", time.time(),
+        rec = GenerationRecord(rid, self.state.prompt, "queued", started_at=time.time(),
                                total_steps=getattr(handle.program.request, "num_steps", None))
         self.state.history.append(rec)
         del self.state.history[:-self.manager.max_generations]
@@ -327,6 +340,87 @@ class Session:
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
         return rid
+
+    async def reason(self, *, max_new_tokens: int = 32, temperature: float = 0.0,
+                     then_generate: bool = False) -> str:
+        """Reason over the prompt with the model's reasoning loop (cosmos3's AR decode, on the shared scheduler),
+        streaming `reasoning.token` events as each step samples one; with `then_generate`, the prompt + reasoned
+        text then becomes the next generation's prompt (as cosmos3's `reason_then_generate`: the reasoning hands its
+        und-stream K/V to the generator's cache). Returns the reasoning's request id; replaces a running one."""
+        from optimized.serving.requests import tokens_for
+        self._active()
+        entry = self.engine.engine.family
+        rtype = next((t for t, loop in entry.request_types.items() if loop == "reasoning"), None)
+        if rtype is None:
+            raise FieldError("reason", f"the {entry.name} model served here has no reasoning loop")
+        if not self.state.prompt:
+            raise FieldError("prompt", "push text before reasoning")
+        for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise FieldError(name, f"expected a number, got {type(value).__name__}")
+        ids = tokens_for(self.engine.engine, self.state.prompt, None)
+        request = rtype(prompt_ids=ids, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
+                        seed=int(self.state.conditioning.get("seed", 0)))
+        if self.generating:
+            await self.interrupt()
+        self._count += 1
+        rid = f"{self.session_id}-r{self._count}"
+        try:
+            with submission(session_id=self.session_id):
+                handle = await self.engine.submit_loop(request, request_id=rid, on_output=self._on_token,
+                                                       **({"export_und_kv": True} if then_generate else {}))
+        except Exception:
+            self._count -= 1
+            raise
+        rec = GenerationRecord(rid, self.state.prompt, "running", "reasoning", time.time(),
+                               total_steps=int(max_new_tokens))
+        self.state.history.append(rec)
+        del self.state.history[:-self.manager.max_generations]
+        self._handle, self.state.active_generation, self.state.status = handle, rid, "generating"
+        self._emit("reasoning.started", request_id=rid, prompt=rec.prompt, max_new_tokens=int(max_new_tokens))
+        task = asyncio.ensure_future(self._watch_reasoning(handle, rec, then_generate))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+        return rid
+
+    def _on_token(self, ev: "VideoEvent") -> None:
+        rec = self._record(ev.request_id)
+        if rec is not None:
+            rec.steps_run = ev.data["index"] + 1
+        self._emit("reasoning.token", request_id=ev.request_id, index=ev.data["index"],
+                   token_id=ev.data["token_id"], text=self.manager.token_text(ev.data["token_id"]))
+
+    async def _watch_reasoning(self, handle: Any, rec: GenerationRecord, then_generate: bool) -> None:
+        rid = handle.request_id
+        follow: list[int] | None = None
+        try:
+            await handle.wait()
+            rec.ended_at = time.time()
+            if handle.final_status == "completed":
+                result = await handle.result()
+                rec.status = "completed"
+                self._emit("reasoning.completed", request_id=rid, tokens=[int(t) for t in result["tokens"]],
+                           stopped_by=result["stopped_by"])
+                follow = [int(t) for t in result["text_ids"]] if then_generate else None
+            elif handle.final_status == "cancelled":
+                rec.status = "interrupted"
+                self._emit("generation.interrupted", request_id=rid, steps_run=rec.steps_run,
+                           total_steps=rec.total_steps)
+                self._emit("session.interrupted", request_id=rid)
+            else:
+                rec.status, rec.error = "failed", handle.error or "failed"
+                self._emit("generation.failed", request_id=rid, error=rec.error)
+        finally:
+            if self._handle is handle:
+                self._handle, self.state.active_generation = None, None
+                if self.state.status == "generating":
+                    self.state.status = "open"
+                self._idle_since = time.monotonic()
+        if follow is not None and self.state.status != "closed" and not self.generating:
+            try:
+                await self._generate(prompt_ids=follow)
+            except Exception as e:  # noqa: BLE001 - the session goes on; its client is told why
+                self._emit("generation.failed", request_id=None, error=f"{type(e).__name__}: {e}")
 
     async def interrupt(self) -> str | None:
         """Stop the running generation at its next step boundary (the scheduler's cancel; returns at once, the
@@ -439,6 +533,13 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.closed_count = {reason: 0 for reason in CLOSE_REASONS}
         self._reaper: asyncio.Task | None = None
+
+    def token_text(self, token_id: int) -> str | None:
+        """A token's text from the served tokenizer (a processor's `tok.backend`, a `tokenizers.Tokenizer`); None
+        without one (random-weight variants: ids only)."""
+        from optimized.serving.requests import processor_for
+        backend = getattr(getattr(processor_for(self.engine.engine), "tok", None), "backend", None)
+        return backend.decode([token_id]) if backend is not None else None
 
     def check_fields(self, conditioning: dict) -> None:
         """Refuse conditioning the engine would refuse (built with a one-token prompt, then admitted)."""

@@ -10,6 +10,10 @@ Client -> server:
     {"type": "input.image", "image": "<base64 PNG/JPEG or data: URL>"}         conditioning image
     {"type": "conditioning.update", "conditioning": {"seed": 3, "num_steps": null}}   fields (null clears one)
     {"type": "generate"}                                                       start (interrupts a running one)
+    {"type": "reason", "max_new_tokens": 32?, "temperature": 0?, "then_generate": false?}   a family with a reasoning
+                                                                               loop (cosmos3): reasoning.token per
+                                                                               sampled token; then_generate: the
+                                                                               reasoned text is the next prompt
     {"type": "interrupt"}                                                      stop at the next step boundary
     {"type": "session.state"}                                                  -> {"type": "session.state", state}
     {"type": "ping"}                                                           -> {"type": "pong"} (counts as
@@ -168,6 +172,10 @@ class Connection:
             await s.update(**_field(msg, "conditioning", dict))
         elif kind == "generate":
             await s.generate()
+        elif kind == "reason":
+            await s.reason(max_new_tokens=_field(msg, "max_new_tokens", int, 32),
+                           temperature=_field(msg, "temperature", (int, float), 0.0),
+                           then_generate=bool(_field(msg, "then_generate", bool, False)))
         elif kind == "interrupt":
             if await s.interrupt() is None:
                 raise BadMessage("no_active_generation", "no generation is running")
@@ -214,14 +222,15 @@ class Connection:
             pass   # the client went away: run() sees it and leaves the session
 
 
-def _field(msg: dict, name: str, kind: type, default: Any = ...) -> Any:
+def _field(msg: dict, name: str, kind: type | tuple, default: Any = ...) -> Any:
     value = msg.get(name, None if default is ... else default)
     if value is None and default is ...:
         raise BadMessage("invalid_message", f"{msg['type']}: `{name}` is required", name)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise BadMessage("invalid_message", f"{msg['type']}: `{name}` must be {kind.__name__}", name)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+        raise BadMessage("invalid_message", f"{msg['type']}: `{name}` must be "
+                         f"{getattr(kind, '__name__', 'a number')}", name)
     return value
 
 
