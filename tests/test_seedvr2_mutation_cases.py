@@ -116,7 +116,7 @@ def test_bf16_conversion_keeps_upstream_fp32_tensors(tmp_path, monkeypatch):
     old = dataclasses.replace(case, meta={**case.meta, "upstream_format": str(tmp_path / "m.json")})
     with pytest.raises(UpstreamConversionFailed, match="keep_fp32 is no longer read.*nadit_fp32_keys"):
         bf16_conversion_check(old, "3b", spec)
-    cfg, state = _golden_weights(case, spec["weights"], spec["variant"], dtype="bfloat16")
+    cfg, state = _golden_weights(case, spec["weights"], spec, dtype="bfloat16")
     assert bf16_dtype_errors(cfg, state)[0] == []
     rope = next(k for k in state if k.endswith(".attn.rope.freqs"))
     wrong, _ = bf16_dtype_errors(cfg, {**state, rope: state[rope].bfloat16()})   # a conversion that casts rope

@@ -58,12 +58,14 @@ def _upstream_file(case, name: str):
     return path
 
 
-def _golden_weights(case, name: str, spec: dict | None = None, dtype: str | None = None):
+def _golden_weights(case, name: str, spec: dict | str | None = None, dtype: str | None = None):
     """(config, canonical state) of upstream/<name>: a NaDiT (spec = its model entry) through fvconvert's
     official_pth manifest with the case's own config as `--config`, or the VAE state as stored (its upstream
     names are the canonical names; config None)."""
     from converters import ConversionError, convert_to_state_dict
     path = _upstream_file(case, name)
+    if isinstance(spec, str):  # a variant name (callers from before cases carried configs)
+        spec = {"variant": spec, "weights": name}
     if spec is None:
         return None, torch.load(path, weights_only=True, map_location="cpu")
     _nadit_config(case, spec)  # a bad or missing config is the case's own fault (malformed), not the converter's
@@ -139,25 +141,27 @@ def nadit_outputs_for(case) -> GoldenOutputs:
     return GoldenOutputs(tuple(required), tuple(optional))
 
 
-def _traced_checks(case, name: str, rec: Recorder, suffix: str, tol) -> list[CheckResult]:
-    """Every stored intermediate of one call (`suffix` "<tag>_<k>" or "<tag>"): emb / txt_in / vid_in and the
-    blocks' text / video outputs (block_<i>_<txt|vid>_<suffix>), against the side's trace of the same names."""
+def _traced_checks(case, name: str, rec: Recorder, tag: str, k: int | None, tol) -> list[CheckResult]:
+    """Every stored intermediate of model `tag`'s call k (None: its joint call): emb / txt_in / vid_in and the
+    blocks' text / video outputs (block_<i>_<txt|vid>_<tag>[_<k>]), against the side's trace of the same names.
+    Rows are named without the tag (`name` holds it): `<name>/emb_<k>`, `<name>/block_<i>_txt_<k>`."""
+    suffix, row_suffix = (f"{tag}_{k}", f"_{k}") if k is not None else (tag, "")
     checks = []
     for inter in NADIT_TRACED:
-        key = f"{inter}_{suffix}"
+        key, row = f"{inter}_{suffix}", f"{name}/{inter}{row_suffix}"
         if key in case.outputs:
             want = case.outputs[key]
             got = rec.records.get(inter)
-            checks.append(compare_check(f"{name}/{key}", got.reshape(want.shape), want, tol) if got is not None
+            checks.append(compare_check(row, got.reshape(want.shape), want, tol) if got is not None
                           and got.numel() == want.numel() else
-                          CheckResult(f"{name}/{key}", False, detail=f"{inter} not traced (or its size differs)"))
+                          CheckResult(row, False, detail=f"{inter} not traced (or its size differs)"))
     for out_name in sorted(case.outputs):  # names only: reading the tensor is what counts as checking it
         m = BLOCK_TRACED.match(out_name)
         if m and m.group(3) == suffix:
-            got = rec.records.get(f"blocks.{m.group(1)}.{m.group(2)}")
-            checks.append(compare_check(f"{name}/{out_name}", got, case.outputs[out_name], tol) if got is not None
-                          else CheckResult(f"{name}/{out_name}", False,
-                                           detail=f"blocks.{m.group(1)}.{m.group(2)} not traced"))
+            row, traced = f"{name}/block_{m.group(1)}_{m.group(2)}{row_suffix}", f"blocks.{m.group(1)}.{m.group(2)}"
+            got = rec.records.get(traced)
+            checks.append(compare_check(row, got, case.outputs[out_name], tol) if got is not None
+                          else CheckResult(row, False, detail=f"{traced} not traced"))
     return checks
 
 
@@ -194,7 +198,7 @@ def golden_nadit_probe(case, sides) -> list[CheckResult]:
                     got = _nadit_call(model, case, k, trace=rec)
                     checks.append(compare_check(f"{name}/vid_sample_{k}", got, case.outputs[f"vid_sample_{tag}_{k}"],
                                                 tol))
-                    checks += _traced_checks(case, name, rec, f"{tag}_{k}", tol)
+                    checks += _traced_checks(case, name, rec, tag, k, tol)
                 got = _nadit_call(model, case, list(range(n)))
                 rows = [case.outputs[f"vid_sample_{tag}_{k}"] for k in range(n)]
                 checks.append(compare_check(f"{name}/batched_per_sample", got, torch.cat(rows), tol))
@@ -202,7 +206,7 @@ def golden_nadit_probe(case, sides) -> list[CheckResult]:
                 got = _nadit_call(model, case, list(range(n)))
                 checks.append(compare_check(f"{name}/vid_sample", got, case.outputs[f"vid_sample_{tag}"], tol))
                 if any(o.endswith(f"_{tag}") and o != f"vid_sample_{tag}" for o in case.outputs):  # intermediates
-                    checks += _traced_checks(case, name, _per_call_traces(model, case, n), tag, tol)
+                    checks += _traced_checks(case, name, _per_call_traces(model, case, n), tag, None, tol)
         checks.append(bf16_conversion_check(case, tag, spec))
     return checks
 
