@@ -129,7 +129,9 @@ class Engine:
         check_dtype(dtype)
         entry = family_of_config(cfg)
         check_finite_weights(weights)
-        return cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=weights_version), entry, **kw)
+        engine = cls(entry.load(cfg, weights, device=device, dtype=dtype, weights_version=weights_version), entry, **kw)
+        engine.base_weights = weights   # what a LoRA merge fuses into (optimized/adapters)
+        return engine
 
     @classmethod
     def from_state_dict(cls, cfg: Any, state: dict[str, torch.Tensor], device: str = "cpu",
@@ -223,6 +225,11 @@ class Engine:
                 pass  # a request validated another way: its loop's init_state checks it
             except ValueError as e:
                 raise RequestRejected(str(e), getattr(e, "field", None)) from None
+        if getattr(request, "lora", ()):   # per-request LoRA adapters must be loaded (optimized/adapters)
+            try:
+                self.loras.check_refs(request.lora)
+            except ValueError as e:
+                raise RequestRejected(str(e), "lora") from None
         too_big = self.family.capabilities.oversized(request, self.family.name)
         if too_big:
             raise RequestRejected(*too_big)
@@ -306,6 +313,14 @@ class Engine:
 
     def run_until_idle(self) -> None:
         self.scheduler.run_until_idle()
+
+    @property
+    def loras(self) -> Any:
+        """This engine's LoRA adapters: load / unload / list, merge / unmerge (optimized/adapters/manager.py)."""
+        if "_loras" not in self.__dict__:
+            from optimized.adapters import AdapterManager
+            self._loras = AdapterManager(self)
+        return self._loras
 
     def update_weights(self, weights: Any, version: str | None = None, policy: str = "finish") -> Any:
         """New weights for the resident instance (a checkpoint path, {component: state} or a state dict) under a new

@@ -42,6 +42,7 @@ class WanGenerateRequest:
     image: Any = None                             # i2v / ti2v: float tensor [3, height, width] in [-1, 1]
     image_embeds: Any = None                      # 2.1 I2V: float tensor [N, image_dim] (CLIP penultimate layer)
     sde: SDEConfig | None = None                  # SDE rollout steps on the solver's schedule (RL); None = ODE
+    lora: tuple = ()                              # LoraRef(name, scale) per adapter, applied unmerged (manifests/lora.py)
 
     @property
     def uses_cfg(self) -> bool:

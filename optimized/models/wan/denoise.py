@@ -78,6 +78,7 @@ class BranchInput:
     timestep: torch.Tensor                          # [1] or [1, seq]
     text: torch.Tensor                              # [1, L, text_dim]
     image_embeds: torch.Tensor | None
+    lora: tuple = ()                                # the request's LoraRefs (applied per row, optimized/adapters)
 
 
 def advance(solver: SolverState, velocity: torch.Tensor, x: torch.Tensor) -> tuple[SolverState, torch.Tensor]:
@@ -93,8 +94,9 @@ def forward_rows(dit: WanDiTFast, rows: list[BranchInput]) -> list[torch.Tensor]
     if len({t.dtype for t in ts}) > 1:  # int and float timesteps in one batch: the DiT embeds them as fp32 anyway
         ts = [t.to(torch.float32) for t in ts]
     images = None if rows[0].image_embeds is None else torch.cat([r.image_embeds for r in rows])
+    lora = {} if not any(r.lora for r in rows) else {"lora": dit.lora_bank.rows(dit, [r.lora for r in rows])}
     out = dit.forward_batch(torch.cat([r.latents for r in rows]), torch.cat(ts), torch.cat([r.text for r in rows]),
-                            images)
+                            images, **lora)
     return list(out.split(1))
 
 
@@ -259,7 +261,7 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         else:
             x = s.latents if s.condition is None else torch.cat([s.latents, s.condition], dim=1)
             timestep = t.reshape(1)
-        return BranchInput(x.to(dt), timestep, text, s.image_embeds)
+        return BranchInput(x.to(dt), timestep, text, s.image_embeds, tuple(s.request.lora or ()))
 
     def guided_velocities(self, states: Sequence[WanDenoiseState], one_by_one: bool = False) -> list[torch.Tensor]:
         """Every state's velocity at its current step (CFG-combined) from one or two batched forwards of one

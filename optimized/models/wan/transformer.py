@@ -78,6 +78,7 @@ class BlockWeights:
     ffn0_b: torch.Tensor
     ffn2_w: torch.Tensor
     ffn2_b: torch.Tensor
+    prefix: str = ""                       # "blocks.{i}.": names the block's layers for per-row LoRA deltas
 
 
 def _rope_axis_table(dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +126,8 @@ class WanDiTFast:
         self.graph_cache = CompileCache()
         self.last_step_info: dict[str, str] = {}
         self.sp_mesh = None                    # a ParallelMesh with ulysses x ring > 1: sequence-parallel forward
+        self.row_lora = None                   # during one forward: per-row LoRA deltas (optimized/adapters/rows.py)
+        self.lora_bank = None                  # the engine's loaded adapters (optimized/adapters), attached on use
 
     def shard_tp(self, tp: AxisGroup) -> "WanDiTFast":
         """Keep only this tp rank's shard of the loaded weights (parallelize.shard_params); the rest is freed."""
@@ -151,7 +154,7 @@ class WanDiTFast:
             norm_added_k=g(p + "attn2.norm_added_k.weight"),
             out2_w=g(p + "attn2.to_out.0.weight"), out2_b=g(p + "attn2.to_out.0.bias"),
             ffn0_w=g(p + "ffn.net.0.proj.weight"), ffn0_b=g(p + "ffn.net.0.proj.bias"),
-            ffn2_w=g(p + "ffn.net.2.weight"), ffn2_b=g(p + "ffn.net.2.bias"),
+            ffn2_w=g(p + "ffn.net.2.weight"), ffn2_b=g(p + "ffn.net.2.bias"), prefix=p,
         )
 
     # ------------------------------------------------------------------ cached tables
@@ -274,30 +277,31 @@ class WanDiTFast:
 
         # 1. self-attention (fp32 LayerNorm + modulation, cast back)
         n = (F.layer_norm(x.float(), (D,), eps=eps) * (1 + scale_msa) + shift_msa).to(dt)
-        q, k, v = F.linear(n, w.qkv_w, w.qkv_b).chunk(3, dim=-1)
+        q, k, v = self._linear(n, w.qkv_w, w.qkv_b, w.prefix + "attn1.qkv").chunk(3, dim=-1)
         q = self._qk_norm(q, w.norm_q1).unflatten(2, (H, -1))
         k = self._qk_norm(k, w.norm_k1).unflatten(2, (H, -1))
         v = v.unflatten(2, (H, -1))
         q, k = _apply_rope(q, *rope), _apply_rope(k, *rope)
         a = (self_attention or self._sdpa)(q, k, v).flatten(2, 3).to(dt)
-        x = (x.float() + self._row_linear(a, w.out1_w, w.out1_b) * gate_msa).to(dt)
+        x = (x.float() + self._row_linear(a, w.out1_w, w.out1_b, w.prefix + "attn1.to_out.0") * gate_msa).to(dt)
 
         # 2. cross-attention (text; + image tokens through their own K/V, summed before to_out)
         n = F.layer_norm(x.float(), (D,), w.norm2_w, w.norm2_b, eps).to(dt) if w.norm2_w is not None else x
-        q = self._qk_norm(F.linear(n, w.q2_w, w.q2_b), w.norm_q2).unflatten(2, (H, -1))
-        k, v = F.linear(ctx, w.kv2_w, w.kv2_b).chunk(2, dim=-1)
+        q = self._qk_norm(self._linear(n, w.q2_w, w.q2_b, w.prefix + "attn2.to_q"), w.norm_q2).unflatten(2, (H, -1))
+        k, v = self._linear(ctx, w.kv2_w, w.kv2_b, w.prefix + "attn2.kv").chunk(2, dim=-1)
         k = self._qk_norm(k, w.norm_k2).unflatten(2, (H, -1))
         a = self._sdpa(q, k, v.unflatten(2, (H, -1))).flatten(2, 3).to(dt)
         if img is not None:
-            ki, vi = F.linear(img, w.add_kv_w, w.add_kv_b).chunk(2, dim=-1)
+            ki, vi = self._linear(img, w.add_kv_w, w.add_kv_b, w.prefix + "attn2.add_kv").chunk(2, dim=-1)
             ki = self._qk_norm(ki, w.norm_added_k).unflatten(2, (H, -1))
             a_img = self._sdpa(q, ki, vi.unflatten(2, (H, -1))).flatten(2, 3).to(dt)
             a = a + a_img
-        x = x + self._row_linear(a, w.out2_w, w.out2_b)
+        x = x + self._row_linear(a, w.out2_w, w.out2_b, w.prefix + "attn2.to_out.0")
 
         # 3. feed-forward (tanh GELU), fp32 gated residual
         n = (F.layer_norm(x.float(), (D,), eps=eps) * (1 + c_scale) + c_shift).to(dt)
-        f = self._row_linear(F.gelu(F.linear(n, w.ffn0_w, w.ffn0_b), approximate="tanh"), w.ffn2_w, w.ffn2_b)
+        f = self._row_linear(F.gelu(self._linear(n, w.ffn0_w, w.ffn0_b, w.prefix + "ffn.net.0.proj"),
+                                    approximate="tanh"), w.ffn2_w, w.ffn2_b, w.prefix + "ffn.net.2")
         return (x.float() + f.float() * c_gate).to(dt)
 
     # ------------------------------------------------------------------ tensor parallel
@@ -310,9 +314,22 @@ class WanDiTFast:
         D, eps = self.cfg.hidden_size, self.cfg.eps
         return F.rms_norm(x, (D,), weight, eps) if self.tp is None else sharded_rms_norm(x, weight, D, eps, self.tp)
 
-    def _row_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def _row_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, where: str = "") -> torch.Tensor:
         """An output projection: row-parallel under TP (partial products all-reduced, the bias added once)."""
-        return F.linear(x, w, b) if self.tp is None else row_parallel(x, w, b, self.tp)
+        if self.tp is None:
+            return self._linear(x, w, b, where)
+        return row_parallel(x, w, b, self.tp)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, where: str) -> torch.Tensor:
+        """A projection named `where` (the fused layout's name): plus each row's LoRA delta while `row_lora` is set."""
+        y = F.linear(x, w, b)
+        return y if self.row_lora is None else self.row_lora.add_to(y, x, where)
+
+    def lora_layers(self) -> set[str]:
+        """The layers per-row LoRA reaches (names in the fused layout): every block projection and proj_out."""
+        parts = ["attn1.qkv", "attn1.to_out.0", "attn2.to_q", "attn2.kv", "attn2.to_out.0", "ffn.net.0.proj",
+                 "ffn.net.2"] + (["attn2.add_kv"] if self.cfg.has_image_branch else [])
+        return {f"blocks.{i}.{p}" for i in range(self.cfg.num_layers) for p in parts} | {"proj_out"}
 
     # ------------------------------------------------------------------ forward
     def _check(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
@@ -343,13 +360,26 @@ class WanDiTFast:
 
     @torch.no_grad()
     def forward_batch(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor,
-                      image_embeds: torch.Tensor | None = None, trace: dict | None = None) -> torch.Tensor:
+                      image_embeds: torch.Tensor | None = None, trace: dict | None = None,
+                      lora=None) -> torch.Tensor:
         """latents [B, C_in, T, H, W], timesteps [B] (int or float) or [B, f*h*w] (per token), text [B, L, text_dim],
         image_embeds [B, N, image_dim] | None -> velocity [B, C_out, T, H, W] in the run dtype.
 
         `trace`: when a dict, receives upstream-shaped intermediates: "patch_embedding" [B, D, f, h, w],
         "condition_embedder" (timestep_proj [B, 6D] or [B, N, 6D]) plus ".temb" / ".text" / ".image",
-        "blocks.{i}" [B, N, D] and "proj_out" [B, N, C_out * prod(patch)]."""
+        "blocks.{i}" [B, N, D] and "proj_out" [B, N, C_out * prod(patch)].
+
+        `lora`: a RowLora (optimized/adapters/rows.py): each row's adapters, applied unmerged; such a forward runs
+        the block stack eagerly (a captured or compiled stack holds no per-row adapters)."""
+        if lora is not None and self.tp is not None:
+            raise WanDiTInputError("per-request LoRA is not available under tensor parallelism (merge the adapter)")
+        self.row_lora = lora
+        try:
+            return self._forward_batch(latents, timesteps, text, image_embeds, trace)
+        finally:
+            self.row_lora = None
+
+    def _forward_batch(self, latents, timesteps, text, image_embeds, trace) -> torch.Tensor:
         grid = self._check(latents, timesteps, text, image_embeds)
         cfg, dt, dev = self.cfg, self.dtype, self.device
         B = latents.shape[0]
@@ -374,7 +404,7 @@ class WanDiTFast:
             full = torch.cat([img, ctx], dim=1)
             img, ctx = full[:, :img.shape[1]], full[:, img.shape[1]:]
 
-        if trace is None:   # through the CompileCache (under a plan a compiled stack breaks at each collective)
+        if trace is None and self.row_lora is None:   # through the CompileCache (a plan's compiled stack breaks at collectives)
             x = self._run_blocks(x, ctx, img, timestep_proj, rope)
         elif self._sp_degree() > 1:
             x = self._sp_blocks(x, ctx, img, timestep_proj, rope, trace)
@@ -391,7 +421,7 @@ class WanDiTFast:
             shift, scale = (sst + temb.unsqueeze(1)).chunk(2, dim=1)
         D = cfg.hidden_size
         x = (F.layer_norm(x.float(), (D,), eps=cfg.eps) * (1 + scale) + shift).to(dt)
-        x = F.linear(x, self.params["proj_out.weight"], self.params["proj_out.bias"])
+        x = self._linear(x, self.params["proj_out.weight"], self.params["proj_out.bias"], "proj_out")
         if trace is not None:
             trace["proj_out"] = x
         pt, ph, pw = cfg.patch_size
