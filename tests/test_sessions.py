@@ -385,3 +385,28 @@ def test_reasoning_on_a_model_without_a_reasoning_loop_is_refused(engine):
             await eng.close()
 
     assert run(main()).field == "reason"
+
+
+def test_the_latest_pushed_image_conditions_the_generation(cosmos3):
+    first = torch.linspace(-1, 1, 3 * 32 * 32).reshape(3, 32, 32)
+    latest = -first
+
+    async def main():
+        eng = AsyncEngine(cosmos3)
+        try:
+            async with eng.session(num_steps=2, seed=2) as s:
+                await s.push_text("from this image")
+                await s.push_image(first)
+                await s.push_image(latest)
+                await s.generate()
+                events = await until(s, "generation.completed")
+                direct = await eng.generate(prompt="from this image", image=latest, num_steps=2, seed=2)
+                other = await eng.generate(prompt="from this image", image=first, num_steps=2, seed=2)
+                return events, s.last_result, direct, other, [list(im.shape) for im in s.state.images]
+        finally:
+            await eng.close()
+
+    events, result, direct, other, held = run(main())
+    started = next(e for e in events if e.kind == "generation.started")
+    assert started.data["stages"] == ["encode", "denoise", "decode"] and held == [[3, 32, 32]]
+    assert torch.equal(result.frames, direct.frames) and not torch.equal(result.frames, other.frames)

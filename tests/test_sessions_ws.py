@@ -117,6 +117,13 @@ def png_size(b64: str) -> tuple[int, int]:
         return im.size
 
 
+def png_b64(h: int, w: int) -> str:
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 10, 10)).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def test_start_push_chunks_interrupt_append_rejoin(server):
     with server.ws() as ws:
         send(ws, "session.start", conditioning={"num_steps": 2, "num_frames": 9, "seed": 1})
@@ -207,6 +214,13 @@ def test_bad_messages_are_answered_and_the_connection_goes_on(server):
         until(ws, "session.created")
         send(ws, "input.image", image="bm90IGFuIGltYWdl")           # base64 of "not an image"
         assert until(ws, "error")[-1]["param"] == "image"
+        send(ws, "input.image", image=png_b64(32, 32))               # a real PNG, a text-to-video model
+        err = until(ws, "error")[-1]
+        assert err["param"] == "image" and "does not condition on an image" in err["message"]
+        send(ws, "reason", max_new_tokens=4)                         # wan has no reasoning loop
+        assert until(ws, "error")[-1]["param"] == "reason"
+        send(ws, "reason", max_new_tokens="four")
+        assert until(ws, "error")[-1]["param"] == "max_new_tokens"
         send(ws, "conditioning.update", conditioning={"nope": 1})
         assert until(ws, "error")[-1]["param"] == "nope"
         send(ws, "interrupt")

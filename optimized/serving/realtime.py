@@ -296,7 +296,7 @@ class Session:
                 raise FieldError(name, f"expected {CONDITIONING_TYPES[name][0].__name__}, got "
                                        f"{type(value).__name__}")
             new[name] = value
-        self.manager.check_fields(new)
+        self.manager.check_fields(new, self.state.images[-1] if self.state.images else None)
         return new
 
     async def ping(self) -> None:
@@ -541,10 +541,17 @@ class SessionManager:
         backend = getattr(getattr(processor_for(self.engine.engine), "tok", None), "backend", None)
         return backend.decode([token_id]) if backend is not None else None
 
-    def check_fields(self, conditioning: dict) -> None:
-        """Refuse conditioning the engine would refuse (built with a one-token prompt, then admitted)."""
-        from optimized.serving.requests import build_request
-        req, _ = build_request(self.engine.engine, prompt_ids=[0], **conditioning)
+    def check_fields(self, conditioning: dict, image: Any = None) -> None:
+        """Refuse conditioning the engine would refuse (built with a one-token prompt and the session's image, or a
+        blank one of the requested size for a model that needs one and has none yet, then admitted)."""
+        import torch
+
+        from optimized.serving.requests import build_request, takes_image
+        eng = self.engine.engine
+        if image is None and takes_image(eng):
+            size = {**eng.family.request_defaults, **conditioning}
+            image = torch.zeros(3, int(size.get("height", 1)), int(size.get("width", 1)))
+        req, _ = build_request(eng, prompt_ids=[0], image=image, **conditioning)
         self.engine._preflight(req)
 
     async def open(self, *, session_id: str | None = None, idle_timeout_s: float | None = None,
