@@ -79,8 +79,6 @@ def _planted(fault: str | None, fast):
 
 def run_sound_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
                  fault: str | None, progress: Callable[[str], None]) -> Report:
-    if checkpoint is not None:
-        raise SetupError("cosmos3 sound C0: --checkpoint is not supported yet (seeded random weights only)")
     if fault is not None and fault not in FAMILY.fault_names:
         raise SetupError(f"unknown fault {fault!r}; known: {', '.join(FAMILY.fault_names)}")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -88,12 +86,17 @@ def run_sound_c0(variants: list[str], checkpoint: str | None, device: str, dtype
     contract = load_parity_contract("cosmos3/sound")
     report = Report("cosmos3-sound", "C0", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                             "dtypes": dtypes, "seed": seed, "fault": fault})
-    for v in variants or DEFAULT_VARIANTS:
+    if checkpoint is not None:   # a converted sound tokenizer: its own architecture and weights
+        from parity.checkpoints import models_to_check
+        models = models_to_check("cosmos3", variants, DEFAULT_VARIANTS, checkpoint, seed, load_variant,
+                                 canonical_key_shapes)
+    else:
         try:
-            cfg = load_variant(v)
+            models = [(v, cfg, sound_random_state(cfg, seed)) for v in variants or DEFAULT_VARIANTS
+                      for cfg in [load_variant(v)]]
         except ManifestError as e:
             raise SetupError(str(e)) from None
-        state = sound_random_state(cfg, seed)
+    for v, cfg, state in models:
         for dname in dtypes:
             dtype, tol = DTYPES[dname], contract.tolerance("C0", DTYPE_NAMES[dname], device.split(":")[0])
             progress(f"[cosmos3-sound C0] {v} {dname}")

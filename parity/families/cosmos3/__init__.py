@@ -22,9 +22,17 @@ def check_converted(out_dir) -> dict:
     return c0_post_check(c0.run_c0, out_dir)
 
 
+def check_converted_sound(out_dir) -> dict:
+    """fvconvert's post-check for a converted sound tokenizer: the cosmos3-sound C0 (decoder and encoder rows) on
+    its weights."""
+    from parity.families.cosmos3_sound import run_sound_c0
+    return c0_post_check(run_sound_c0, out_dir)
+
+
 FAMILY = ParityFamily(
     name="cosmos3",
     description="omni MoT transformer (vision, sound, action), UniPC denoise loop with CFG, AR reasoning, decoders",
     levels=LEVELS, variants=common.variants, default_variants=common.DEFAULT_VARIANTS,
     faults=faults.FAULTS + c2.FAULTS + c3.FAULTS,
-    golden_probes=PROBES, check_converted=check_converted, supports_world_size=False)
+    golden_probes=PROBES, check_converted=check_converted, supports_world_size=False,
+    component_post_checks={"cosmos3.sound": check_converted_sound})

@@ -31,12 +31,18 @@ def variants() -> list[str]:
     return list_variants()
 
 
+def check_converted(out_dir) -> dict:
+    """fvconvert's post-check: C0 (fp32, CPU, one process: sp=1) on the converted NaDiT."""
+    from parity.checkpoints import c0_post_check
+    return c0_post_check(lambda *a, **kw: run_c0(*a, world_sizes=[1], **kw), out_dir)
+
+
 FAMILY = ParityFamily(
     name="seedvr2",
     description="NaDiT with 3D window attention, one-step restoration, window-aligned sequence parallelism",
     levels=LEVELS, variants=variants, default_variants=DEFAULT_VARIANTS,
     faults=tuple(Fault(name, what, "C0", layer) for name, (what, layer) in FAULTS_INFO.items()),
-    golden_probes=PROBES, supports_world_size=SUPPORTS_WORLD_SIZE)
+    golden_probes=PROBES, supports_world_size=SUPPORTS_WORLD_SIZE, check_converted=check_converted)
 
 __all__ = ["CASES", "DEFAULT_VARIANTS", "DEFAULT_WORLD_SIZES", "FAMILY", "FAULTS", "FAULTS_INFO", "GEOMETRY_GRIDS",
            "GOLDEN_DIR", "LEVELS", "NaDiTCase", "NaDiTInputs", "PROBES", "check_geometry", "check_planner",

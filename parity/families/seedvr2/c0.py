@@ -195,13 +195,19 @@ def nadit_checks(vname: str, dname: str, cfg, state, tol, seed, world_sizes, fau
 
 
 def resolve_variants(variants, checkpoint, seed):
+    """(name, config) per model to check: the named variants, or the architecture of a converted checkpoint."""
     if checkpoint is not None:
-        raise SetupError("seedvr2: --checkpoint is not supported yet; use fvparity golden-style checks "
-                         "(fvparity golden golden/seedvr2/*/) for converted upstream weights")
+        return [(name, cfg) for name, cfg, _ in _checkpoint_models(variants, checkpoint, seed)]
     try:
         return [(v, load_variant(v)) for v in (variants or DEFAULT_VARIANTS)]
     except ManifestError as e:
         raise SetupError(str(e)) from None
+
+
+def _checkpoint_models(variants, checkpoint, seed):
+    from manifests.seedvr2.keys import nadit_key_shapes
+    from parity.checkpoints import models_to_check
+    return models_to_check("seedvr2", variants, DEFAULT_VARIANTS, checkpoint, seed, load_variant, nadit_key_shapes)
 
 
 def env_world_sizes() -> tuple[int, ...]:
@@ -218,10 +224,13 @@ def run_c0(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
     contract = load_parity_contract("seedvr2")
     report = Report("seedvr2", "C0", {"variants": variants or list(DEFAULT_VARIANTS), "device": device,
                                       "dtypes": dtypes, "seed": seed, "fault": fault, "world_sizes": world_sizes})
-    for vname, cfg in resolve_variants(variants, checkpoint, seed):
+    models = (_checkpoint_models(variants, checkpoint, seed) if checkpoint is not None else
+              [(vname, cfg, None) for vname, cfg in resolve_variants(variants, None, seed)])
+    for vname, cfg, converted in models:
         if cfg.dim > 256:
-            raise SetupError(f"variant {vname!r} is a released size; C0 on CPU runs the tiny variants")
-        state = C.nadit_state(cfg, seed)
+            raise SetupError(f"{'checkpoint' if converted is not None else 'variant ' + repr(vname)} is a released "
+                             f"size; C0 on CPU runs the tiny variants")
+        state = converted if converted is not None else C.nadit_state(cfg, seed)
         for dname in dtypes:
             tol = contract.tolerance("C0", DTYPE_NAMES[dname], device)
             report.checks += nadit_checks(vname, dname, cfg, state, tol, seed, world_sizes, fault, progress)

@@ -9,7 +9,7 @@ input), c1.py (denoise trajectories, `wan.generate`), c2.py (logprob identity of
 distributions) and c4.py (decoded frames). This file wires levels, faults, probes and the fvconvert post-checks
 into FAMILY.
 
-fvconvert post-checks (pyproject `[project.entry-points."fvconvert.post_check"]`, named by each component
+fvconvert post-checks (found at run time by converters/hooks.py in this FAMILY, named by each component
 manifest's `parity.post_check`): `wan` (a converted VAE), `wan.transformer` (a converted DiT), `wan.text_encoder`
 (a converted UMT5); each runs C0 (fp32, CPU) on the converted directory, whose manifest says which component it is.
 """
