@@ -258,19 +258,27 @@ def golden_sound_decode_probe(case, sides) -> list[CheckResult]:
 
 @golden_probe(required=("posterior_mean", "posterior_std"), optional=("posterior_sample",))
 def golden_sound_encode_probe(case, sides) -> list[CheckResult]:
-    """Reference side only: the optimized runtime has no sound encoder (the pipeline never encodes sound). The
-    posterior sample is compared only where the case stores it with its draw (`params.sample_seed`)."""
+    """Both sides' posterior (mean, std) against upstream's; the posterior sample is compared only where the case
+    stores it with its draw (`params.sample_seed`)."""
     cfg, state = _sound_case(case)
     seed = posterior_sample_seed(case)
+    audio = case.inputs["audio"]
     results = []
-    if "reference" in sides:
-        with torch.no_grad():
-            post = ref_sound.load_sound_tokenizer(cfg, state).encode(case.inputs["audio"])
-        rows = [("posterior_mean", post.mean), ("posterior_std", post.std)]
+    for side in sides:
+        if side == "reference":
+            with torch.no_grad():
+                post = ref_sound.load_sound_tokenizer(cfg, state).encode(audio)
+            mean, std = post.mean, post.std
+            draw = (lambda g: post.sample(g))
+        else:
+            fast = opt_sound.load_fast_sound_encoder(cfg, state)
+            mean, std = fast.encode(audio)
+            draw = (lambda g: fast.sample(mean, std, g))
+        rows = [("posterior_mean", mean), ("posterior_std", std)]
         if seed is not None:
-            rows.append(("posterior_sample", post.sample(torch.Generator().manual_seed(seed))))
+            rows.append(("posterior_sample", draw(torch.Generator().manual_seed(seed))))
         for name, got in rows:
-            results.append(check(f"{case.name}/reference:{name}", got, case.outputs[name], case.tolerance))
+            results.append(check(f"{case.name}/{side}:{name}", got, case.outputs[name], case.tolerance, "encoder"))
     return results
 
 
