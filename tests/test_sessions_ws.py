@@ -225,6 +225,8 @@ def test_bad_messages_are_answered_and_the_connection_goes_on(server):
         assert until(ws, "error")[-1]["param"] == "nope"
         send(ws, "interrupt")
         assert until(ws, "error")[-1]["code"] == "no_active_generation"
+        ws.send(b"\x00binary")
+        assert until(ws, "error")[-1]["code"] == "invalid_message"
         send(ws, "wat")
         assert until(ws, "error")[-1]["code"] == "invalid_message"
         send(ws, "ping")

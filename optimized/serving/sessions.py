@@ -25,10 +25,11 @@ Server -> client: every session event (`realtime.SessionEvent.to_json`: type, se
 plus replies that are not session events (no seq): `pong`, `session.state`, and errors
 `{"type": "error", "code", "message", "param", "of": the message type}` with code one of invalid_json,
 invalid_message, no_session, unknown_session, session_limit, invalid_request (param names the field), queue_full,
-closing, lagged. A bad message is answered and the connection goes on. The socket is closed by the server after
+closing, lagged, no_active_generation, server_error. A bad message is answered and the connection goes on. The socket is closed by the server after
 `session.closed` (close code 1000) or when the client falls too far behind (4008, `lagged`: rejoin from the last seq
 it got). A disconnect leaves the session open (`session.left`) for a rejoin until its idle timeout. With an API key
-the handshake needs `Authorization: Bearer KEY` or `X-API-Key` (else HTTP 403).
+the handshake needs `Authorization: Bearer KEY` or `X-API-Key` (else HTTP 403). At shutdown the server closes every
+socket (1012) and then every session (reason shutdown).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import base64
 import hmac
 import json
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 
@@ -48,7 +49,7 @@ from optimized.serving.realtime import (Session, SessionClosed, SessionEvent, Se
 
 log = logging.getLogger("optimized.serving.sessions")
 PATH = "/v1/realtime/sessions"
-MAX_MESSAGE_CHARS = 48 << 20          # a base64 image of the server's 32 MiB upload limit, and some
+MAX_MESSAGE_CHARS = 16 << 20          # uvicorn's default ws_max_size (larger frames are refused by the protocol: 1009)
 CLOSE_LAGGED = 4008
 
 
@@ -96,8 +97,13 @@ class Connection:
     async def run(self) -> None:
         try:
             while True:
-                text = await self.ws.receive_text()
-                await self.handle(text)
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if message.get("text") is not None:
+                    await self.handle(message["text"])
+                else:
+                    await self.error("invalid_message", "send JSON text frames (a binary frame was sent)", None, None)
         except (WebSocketDisconnect, RuntimeError):   # RuntimeError: the server closed it (session.closed)
             pass
         finally:
@@ -130,6 +136,9 @@ class Connection:
             from optimized.serving.videos_api import guess_param   # the HTTP API's field names
             msg = str(e)
             await self.error("invalid_request", msg, getattr(e, "field", None) or guess_param(msg, {}), kind)
+        except Exception as e:  # noqa: BLE001 - a bug answers this message; the connection and the session go on
+            log.exception("realtime session message %r failed", kind)
+            await self.error("server_error", f"internal error: {type(e).__name__}", None, kind)
 
     async def error(self, code: str, message: str, param: str | None, of: str | None) -> None:
         await self.send({"type": "error", "code": code, "message": message, "param": param, "of": of})
