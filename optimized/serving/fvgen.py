@@ -308,6 +308,9 @@ def _main(argv: list[str]) -> int:
             return serve_main(argv[1:], prog="fvgen serve")
         if argv[:1] == ["card"]:
             return _run_card(argv[1:])
+        if argv[:1] == ["workflow"]:   # a ComfyUI workflow file (optimized/workflows/cli.py)
+            from optimized.workflows.cli import main as workflow_main
+            return workflow_main(argv[1:])
         return _run_generate(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
