@@ -367,7 +367,7 @@ class Session:
             rec.ended_at = time.time()
             if status == "completed":
                 result = await handle.result()   # hands the result over: the engine forgets the handle
-                self.last_result = result
+                self.last_result = result if self.manager.keep_results else None
                 rec.status = "completed"
                 F, H, W, _ = result.frames.shape
                 self._emit("generation.completed", request_id=rid, num_frames=F, height=H, width=W, fps=result.fps,
@@ -430,14 +430,15 @@ class SessionManager:
     session is open)."""
 
     def __init__(self, engine: "AsyncEngine", *, idle_timeout_s: float = 300.0, max_sessions: int = 64,
-                 max_history_events: int = 1024, max_history_bytes: int = 64 << 20, max_generations: int = 32,
-                 max_pending: int = 4096):
+                 max_history_events: int = 1024, max_history_bytes: int = 32 << 20, max_generations: int = 32,
+                 max_pending: int = 4096, keep_results: bool = True):
         if idle_timeout_s <= 0 or max_sessions < 1 or max_pending < 1:
             raise ValueError("idle_timeout_s must be > 0, max_sessions and max_pending >= 1")
         self.engine = engine
         self.idle_timeout_s, self.max_sessions = float(idle_timeout_s), max_sessions
         self.max_history_events, self.max_history_bytes = max_history_events, max_history_bytes
         self.max_generations, self.max_pending = max_generations, max_pending
+        self.keep_results = keep_results   # Session.last_result (False: a server, whose clients got the chunks)
         self.sessions: dict[str, Session] = {}
         self.closed_count = {reason: 0 for reason in CLOSE_REASONS}
         self._reaper: asyncio.Task | None = None

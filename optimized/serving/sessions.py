@@ -243,9 +243,14 @@ def _field(msg: dict, name: str, kind: type | tuple, default: Any = ...) -> Any:
     return value
 
 
-def install_sessions(app: FastAPI, engine: Any, *, api_key: str | None = None, path: str = PATH) -> None:
+def install_sessions(app: FastAPI, engine: Any, *, api_key: str | None = None, path: str = PATH,
+                     **options: Any) -> None:
     """Serve realtime sessions of `engine` on `app`: an AsyncEngine, a callable returning one, or a sync Engine
-    (its open AsyncEngine driver is looked up per connection, so this can be called before the app starts)."""
+    (its open AsyncEngine driver is looked up per connection, so this can be called before the app starts).
+    `options` configure its SessionManager (idle_timeout_s, max_sessions, history bounds) when the first
+    connection makes it; results are not kept per session (the clients got every chunk)."""
+    options = {"keep_results": False, **options}
+
     def driver() -> AsyncEngine | None:
         if isinstance(engine, AsyncEngine):
             eng = engine
@@ -253,7 +258,11 @@ def install_sessions(app: FastAPI, engine: Any, *, api_key: str | None = None, p
             eng = engine()
         else:
             eng = engine.__dict__.get("_async_driver")
-        return eng if eng is not None and not eng._closed else None
+        if eng is None or eng._closed:
+            return None
+        if eng._sessions is None:
+            eng.configure_sessions(**options)
+        return eng
 
     def image_limits(eng: AsyncEngine) -> dict:
         caps = eng.engine.deployment_card().get("capabilities", {})
