@@ -437,13 +437,16 @@ class _HttpObserver:
         self.app, self.observer = app, observer
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         header = None
         for k, v in scope.get("headers", ()):
             if k == b"traceparent":
                 header = v.decode("latin-1")
                 break
+        if scope["type"] == "websocket":   # a realtime session's generations continue the handshake's trace
+            with submission(traceparent=header):
+                return await self.app(scope, receive, send)
         code, opened = [500], []
         token = _HTTP_PROGRAMS.set(opened)
 
