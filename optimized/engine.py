@@ -113,6 +113,7 @@ class Engine:
         self.family = entry
         self.options = LoopOptions(cfg_policy, kv_blocks, kv_block_size, group)
         self.bus = EventBus()
+        self.bus.attach(self)   # every event names this engine's model, instance, worker and versions
         self.scheduler = WorkUnitScheduler(memory_budget_bytes, tick_budget_seconds, max_batch, self.bus,
                                            batching=batching)
         self._loops: dict[str, LoopKernel] = {}   # built on first use, one kernel per loop name
