@@ -62,7 +62,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from optimized.serving.async_engine import AsyncEngine, EngineClosed, QueueFull
 from optimized.serving.requests import default_fps, frame_step, takes_image
 from optimized.serving.sessions import install_sessions
-from optimized.serving.observability import install_observability
+from optimized.serving.observability import add_log_args, configure_logging, install_observability
 from optimized.serving.videos_api import (FIELDS, BadField, FrameRule, ImageLimits, api_status, content_urls,  # noqa: F401
                                           error, frames_to_seconds, guess_param, list_page, parse_fields,
                                           public_param, request_schema, scrub)
@@ -611,6 +611,7 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    __import__("optimized.serving.comfy").serving.comfy.install_comfy_routes(app, engine, state, out_dir, api_key)
     return app
 
 
@@ -732,6 +733,7 @@ def build_parser(prog: str = "python -m optimized.serving.server") -> argparse.A
                    help="seconds an ended video is kept")
     p.add_argument("--api-key", default=None, help=f"require this key on /v1/* (None: ${API_KEY_ENV} if set, "
                                                    f"else no key)")
+    add_log_args(p)   # --log-format text | json (optimized/serving/observability.py)
     return p
 
 
@@ -793,7 +795,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m optimized.serving
             if loop is not None:
                 loop.call_soon_threadsafe(app.state.begin_shutdown)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30,
+                            **configure_logging(args.log_format))
     Server(config).run()
     return 0
 
