@@ -60,6 +60,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimized.serving.async_engine import AsyncEngine, EngineClosed, QueueFull
+from optimized.serving.comfy import install_comfy_routes
 from optimized.serving.requests import default_fps, frame_step, takes_image
 from optimized.serving.sessions import install_sessions
 from optimized.serving.observability import add_log_args, configure_logging, install_observability
@@ -611,7 +612,7 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    __import__("optimized.serving.comfy").serving.comfy.install_comfy_routes(app, engine, state, out_dir, api_key)
+    install_comfy_routes(app, engine, state, out_dir, api_key)   # ComfyUI's /prompt, /history, ... (comfy.py)
     return app
 
 
