@@ -25,13 +25,13 @@ Reasoning (a family with a reasoning loop: cosmos3): `await s.reason(max_new_tok
 AR decode loop over the prompt on the same scheduler and streams each sampled token as `reasoning.token` the step
 it is sampled; with then_generate the reasoned text is the next generation's prompt.
 
-Events (kind, data): session.created / session.rejoined {state}, session.updated {field, state}, session.left {},
-generation.started {request_id, prompt, stages}, generation.progress {request_id, stage, step, total},
-media.video_chunk {request_id, chunk, video_frames} + frames, generation.completed {request_id, num_frames,
-height, width, fps, chunks, timings}, generation.interrupted {request_id, steps_run, total_steps}, session.interrupted
-{request_id}, generation.failed {request_id, error}, reasoning.started {request_id, prompt, max_new_tokens}, reasoning.token
-{request_id, index, token_id, text (None without a tokenizer)}, reasoning.completed {request_id, tokens,
-stopped_by}, session.closed {reason: client | idle_timeout | shutdown}.
+Events (kind, data): session.created {state}, session.rejoined {state, attached, missed}, session.updated {field,
+state}, session.left {attached}, generation.started {request_id, prompt, stages}, generation.progress {request_id,
+stage, step, total}, media.video_chunk {request_id, stage, chunk, video_frames} + frames, generation.completed
+{request_id, num_frames, height, width, fps, chunks, timings}, generation.interrupted {request_id, steps_run,
+total_steps}, session.interrupted {request_id}, generation.failed {request_id, error}, reasoning.started {request_id,
+prompt, max_new_tokens}, reasoning.token {request_id, index, token_id, text (None without a tokenizer)},
+reasoning.completed {request_id, tokens, stopped_by}, session.closed {reason: client | idle_timeout | shutdown}.
 
 Idle: a session with no generation running and no call from its client (pushes, generate, interrupt, ping, rejoin)
 for `idle_timeout_s` is closed (reason idle_timeout), attached or not. Bounded: at most `max_sessions` open; per
@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-import uuid
 from collections import deque
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -400,7 +400,8 @@ class Session:
         self._active()
         self._attached += 1
         self.state.connected = True
-        self._emit("session.rejoined", attached=self._attached, state=self.state.to_json(), missed=self.missed(after_seq))
+        self._emit("session.rejoined", attached=self._attached, state=self.state.to_json(),
+                   missed=self.missed(after_seq))
 
     async def close(self, reason: str = "client") -> None:
         """Interrupt what runs, tell every consumer (session.closed), forget the session."""
@@ -469,7 +470,7 @@ class SessionManager:
         `Session.update`."""
         if len(self.sessions) >= self.max_sessions:
             raise SessionLimit(f"{len(self.sessions)} sessions open (max {self.max_sessions}); close one first")
-        sid = session_id or f"sess_{uuid.uuid4().hex[:20]}"
+        sid = session_id or f"sess_{secrets.token_hex(12)}"   # a capability: unguessable
         if sid in self.sessions:
             raise ValueError(f"session id {sid!r} is already open")
         if "/" in sid:
@@ -543,5 +544,5 @@ class SessionScope:
             await self.session.close("client")
 
 
-__all__ = ["CONDITIONING_TYPES", "FieldError", "GenerationRecord", "Session", "SessionClosed", "SessionEvent", "SessionLagged",
-           "SessionLimit", "SessionManager", "SessionScope", "SessionState", "UnknownSession"]
+__all__ = ["CONDITIONING_TYPES", "FieldError", "GenerationRecord", "Session", "SessionClosed", "SessionEvent",
+           "SessionLagged", "SessionLimit", "SessionManager", "SessionScope", "SessionState", "UnknownSession"]

@@ -25,11 +25,12 @@ Server -> client: every session event (`realtime.SessionEvent.to_json`: type, se
 plus replies that are not session events (no seq): `pong`, `session.state`, and errors
 `{"type": "error", "code", "message", "param", "of": the message type}` with code one of invalid_json,
 invalid_message, no_session, unknown_session, session_limit, invalid_request (param names the field), queue_full,
-closing, lagged, no_active_generation, server_error. A bad message is answered and the connection goes on. The socket is closed by the server after
-`session.closed` (close code 1000) or when the client falls too far behind (4008, `lagged`: rejoin from the last seq
-it got). A disconnect leaves the session open (`session.left`) for a rejoin until its idle timeout. With an API key
-the handshake needs `Authorization: Bearer KEY` or `X-API-Key` (else HTTP 403). At shutdown the server closes every
-socket (1012) and then every session (reason shutdown).
+closing, lagged, no_active_generation, server_error. A bad message is answered and the connection goes on. The server
+closes the socket after `session.closed` (close code 1000) or when the client falls too far behind (4008, `lagged`:
+rejoin from the last seq it got). A disconnect leaves the session open (`session.left`) for a rejoin until its idle
+timeout; a session id is a capability (unguessable: 96 random bits): any client holding it (and the API key) may
+rejoin. With an API key the handshake needs `Authorization: Bearer KEY` or `X-API-Key` (else HTTP 403). At shutdown
+the server closes every socket (1012) and then every session (reason shutdown).
 """
 
 from __future__ import annotations
