@@ -99,6 +99,13 @@ def test_metrics_parse_and_move_as_requests_run(tmp_path):
         assert client.delete(f"/v1/videos/{running}").status_code == 200
         wait_for(lambda: value(scrape(client), "fv_requests_total", status="cancelled") == 1, "the cancel counted")
         assert value(scrape(client), "fv_queue_depth") == 0
+        client.request("BREW", "/v1/videos")                  # a made-up method is one bounded label
+        assert value(scrape(client), "fv_http_requests_total", method="other", route="/v1/videos", code="405") == 1
+        # nothing of the ended requests is held by the observer or the bus
+        observer = client.app.state.observability
+        tracing = observer.tracing
+        assert not observer.opened and not sync.bus._requests and not sync.bus._programs
+        assert tracing is None or not (tracing.programs or tracing.stages)
 
 
 def test_a_batched_step_is_counted_once_not_once_per_member():

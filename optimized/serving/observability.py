@@ -49,6 +49,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 MAX_TRACKED = 4096         # programs / stages tracked at once (beyond: the oldest spans are ended, unfinished)
 TERMINAL_KINDS = ("request.completed", "request.failed", "request.cancelled")
+HTTP_METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")   # any other: "other" (bounded labels)
 
 
 def _hex(n: int, width: int) -> str:
@@ -466,8 +467,9 @@ class _HttpObserver:
                 _HTTP_PROGRAMS.reset(token)
                 m = self.observer.metrics
                 if m is not None:
-                    route = getattr(scope.get("route"), "path", None) or "unmatched"
-                    m.child(m.http, scope.get("method", "?"), route, str(code[0])).inc()
+                    route = getattr(scope.get("route"), "path", None) or "unmatched"   # a template: few values
+                    method = scope.get("method", "")
+                    m.child(m.http, method if method in HTTP_METHODS else "other", route, str(code[0])).inc()
 
 
 def install_observability(app: Any, engine: Any, *, tracer_provider: Any = None, metrics: bool = True,
