@@ -535,7 +535,8 @@ class AsyncEngine:
         return len(self.active)
 
     async def close(self, cancel: bool = True) -> None:
-        """Cancel what is in flight (or let it finish), stop the driver thread."""
+        """Close every realtime session (reason shutdown), cancel what is in flight (or let it finish), stop the
+        driver thread."""
         if self._closed:
             return
         if self._sessions is not None:

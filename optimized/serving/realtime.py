@@ -186,7 +186,8 @@ class Session:
         return self._updated("image")
 
     async def update(self, **conditioning: Any) -> SessionState:
-        """Set conditioning fields (CONDITIONING_TYPES; None clears one). Checked against the engine's request
+        """Set conditioning fields (CONDITIONING_TYPES; None clears one) for the next generation (a running one
+        keeps what it started with: its denoise state was built from them). Checked against the engine's request
         builder and admission at once: a refused value changes nothing."""
         self._active()
         self.state.conditioning = self._checked(conditioning)
