@@ -213,3 +213,20 @@ def test_hot_load_unload_and_unknown_adapter(weights, adapters):
         engine.loras.load("bad", LoraAdapter("wan", {"transformer": {"condition_embedder.time_proj": LoraPair(
             torch.zeros(2, 24), torch.zeros(144, 2), 2.0)}}))
     assert engine.loras.list() == []
+
+
+def test_fvgen_lora_flag(tmp_path, capsys):
+    from optimized.serving.fvgen import main as fvgen
+    lora = "golden/wan/lora_t2v/lora/pytorch_lora_weights.safetensors"
+    base = ["wan", "--variant", VARIANT, "--prompt-ids", "3,4,5", "--steps", "2", "--quiet"]
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    assert fvgen(base + ["--out", str(tmp_path / "plain")]) == 0
+    assert fvgen(base + ["--out", str(tmp_path / "styled"), "--lora", f"{root / lora}:0.7"]) == 0
+    plain, styled = sorted((tmp_path / "plain").glob("*.png")), sorted((tmp_path / "styled").glob("*.png"))
+    assert plain and len(plain) == len(styled)
+    assert any(a.read_bytes() != b.read_bytes() for a, b in zip(plain, styled))
+    capsys.readouterr()
+    assert fvgen(base + ["--out", str(tmp_path / "bad"), "--lora", str(tmp_path / "missing.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "no such LoRA file" in err and "Traceback" not in err and not (tmp_path / "bad").exists()
