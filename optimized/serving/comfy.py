@@ -89,10 +89,10 @@ def install_comfy_routes(app: FastAPI, engine: Any, state: dict, output_dir: str
 
     def route(method: str, path: str):
         def wrap(fn):
-            async def guarded(request: Request, **kw: Any):
+            async def guarded(request: Request):
                 if not authorised(request):
                     return denied()
-                return await fn(request, **kw)
+                return await fn(request, **request.path_params)
             guarded.__name__ = f"comfy_{fn.__name__}"
             for prefix in ("", "/api"):
                 app.add_api_route(prefix + path, guarded, methods=[method], include_in_schema=prefix == "")
