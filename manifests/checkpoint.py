@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from manifests.errors import ManifestError
+from manifests.errors import CheckpointError, ManifestError
 
 FORMAT_VERSION = 1
 MODEL_INDEX = "model_index.json"
@@ -47,11 +47,6 @@ LEGACY_FAMILY = "cosmos3"          # a canonical dir without manifest.json (writ
 MAX_HEADER_BYTES = 100 * 2**20
 
 
-class CheckpointError(ManifestError):
-    """A canonical checkpoint that cannot be read as asked. One line naming the file (and key)."""
-
-    def __init__(self, msg: str):
-        super().__init__(" ".join(str(msg).split()))
 
 
 # ---------------------------------------------------------------------------------------------

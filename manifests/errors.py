@@ -9,3 +9,11 @@ class RequestFieldError(ManifestError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class CheckpointError(ManifestError):
+    """A canonical checkpoint that cannot be read as asked. One line naming the file (and key). (Here, not in
+    checkpoint.py, so the layouts checkpoint.py builds on can raise it too.)"""
+
+    def __init__(self, msg: str):
+        super().__init__(" ".join(str(msg).split()))

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from manifests.errors import ManifestError
+from manifests.errors import CheckpointError, ManifestError
 
 Part = tuple[str, tuple[str, ...], str]          # (part name, regexes on canonical keys, what it is)
 DEFAULT_GAINS: tuple[str, ...] = ("norm.weight",)  # the rule every family had before it was declared per family
@@ -96,8 +96,6 @@ class ComponentLayout:
         return part_names(self.parts)
 
     def part_of(self, key: str) -> str:
-        from manifests.checkpoint import CheckpointError   # the reader's error type (checkpoint.py imports us)
-
         name = part_of(self.parts, key)
         if name is None:
             raise CheckpointError(f"{self.family}: canonical key {key!r} belongs to no part (layout definition bug)")
