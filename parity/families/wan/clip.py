@@ -147,7 +147,8 @@ def golden_clip_probe(case, sides) -> list[CheckResult]:
             pixels = CLIPPixels(pcfg)(images)
             fast = load_fast_clip(cfg, state)
             embeds, traced = _traced(lambda tr: fast.forward(pixels, trace=tr))
-        results.append(check(f"{case.name}/{side}:pixel_values", pixels, case.outputs["pixel_values"], Tolerance(),
+        exact = Tolerance(max_abs=0.0)  # Tolerance() bounds nothing: within() would pass any pixels
+        results.append(check(f"{case.name}/{side}:pixel_values", pixels, case.outputs["pixel_values"], exact,
                              "image_processor"))
         results.append(check(f"{case.name}/{side}:image_embeds", embeds, case.outputs["image_embeds"], tol,
                              "image_encoder"))
