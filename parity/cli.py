@@ -202,9 +202,9 @@ def golden_cmd(case_dirs, side, json_path) -> None:
 
     A case directory holds case.json, upstream/, inputs.safetensors and outputs.safetensors
     (see golden/README.md). A missing required output, an undeclared output or a probe exception is a
-    failed check of that case (exit 1); bad case files are a setup error (exit 2). Among several paths (a glob
-    such as golden/seedvr2/*), files and folders without case.json are skipped and named; a path given alone
-    must be a case (exit 2 otherwise).
+    failed check of that case (exit 1); so is a malformed case, and the other cases still run (exit 2 only when
+    no case at all is readable). Among several paths (a glob such as golden/seedvr2/*), files and folders without
+    case.json are skipped and named; a path given alone must be a case (exit 2 otherwise).
     """
     from parity.golden import run_golden_cases
 
