@@ -2,7 +2,8 @@
 port, an API key), driven by a real client library (`websockets`): start a session, push a prompt, receive partial
 chunks (PNG frames) before the clip is done, interrupt, append, rejoin after a disconnect with the missed events
 replayed, idle timeout; bad messages are answered and the connection goes on; no key, no handshake; and nothing
-leaks (sessions, asyncio tasks, engine handles, open files, memory) over many sessions. Every wait is bounded."""
+leaks (sessions, asyncio tasks, engine handles, open files, memory) over many sessions; SIGTERM with a session
+mid-generation ends the server at once (slow: a server of its own). Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import base64
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -291,3 +293,31 @@ def test_nothing_leaks_over_10_sessions(server):
 def test_nothing_leaks_over_100_sessions(server):
     # measured: RSS +1.6 MiB over 50 sessions, +1.9 over 200 (allocator noise); tasks and fds back to the baseline
     check_nothing_leaks(server, 100, 8 << 20)
+
+
+@pytest.mark.slow   # a server of its own: its start-up is most of the time (8-17 s on 2 loaded cores)
+def test_sigterm_with_a_session_mid_generation_ends_the_server_promptly(tmp_path):
+    s = LiveServer(tmp_path)
+    try:
+        with s.ws() as ws:
+            send(ws, "session.start", conditioning={"num_steps": 1000, "num_frames": 5})
+            until(ws, "session.created")
+            send(ws, "input.text", text="a very long one")
+            send(ws, "generate")
+            until(ws, "generation.progress")
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    ws.recv(timeout=30)
+            s.proc.wait(30)       # not held by the open socket nor by the 1000-step generation
+            elapsed = time.monotonic() - t0
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012   # "service restart"
+        assert elapsed < 15, elapsed
+        assert "Traceback" not in (tmp_path / "server.log").read_text()
+    finally:
+        if s.proc.poll() is None:
+            s.stop()
+        else:
+            s.http.close()
+            s.log.close()
