@@ -134,3 +134,14 @@ def test_without_prometheus_client_the_server_serves_and_metrics_says_why(tmp_pa
         assert "prometheus-client is not installed" in r.json()["error"]["message"]
         vid = client.post("/v1/videos", json=SMALL).json()["id"]
         assert wait_status(client, vid)["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_the_metrics_benchmark_runs_and_prints_its_ratios():
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "tools/bench_metrics.py", "--rounds", "1", "--programs", "1", "--steps",
+                           "1"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "median / off" in done.stdout and "observer: metrics + spans" in done.stdout, done.stdout
