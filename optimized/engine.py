@@ -104,7 +104,8 @@ class Engine:
     def __init__(self, instance: Any, entry: FamilyEntry, cfg_policy: str = "batched",
                  memory_budget_bytes: int | None = None, tick_budget_seconds: float = float("inf"),
                  max_batch: int = 16, kv_blocks: int = 512, kv_block_size: int = 16, group: Any = None,
-                 batching: str = "measured"):
+                 batching: str = "measured", offload: str = "none", offload_budget_bytes: int | None = None,
+                 prefetch_blocks: int = 1):
         if getattr(instance, "dtype", None) is not None:
             check_dtype(instance.dtype)
         if memory_budget_bytes is None:
@@ -121,6 +122,9 @@ class Engine:
             cache.subscribe(lambda ev: self.bus.emit(Event(
                 "trace.cache", None, self.scheduler.tick_count,
                 {"store": ev.store, "op": ev.op, "key": ev.key.short(), "nbytes": ev.nbytes})))
+        # the memory plane (optimized/runtime/memory.py): made now, so it manages the weights as loaded (not the
+        # tables a forward builds later)
+        self.memory.set_offload(offload, offload_budget_bytes, prefetch_blocks)
 
     # ---- construction
     @classmethod
@@ -152,7 +156,9 @@ class Engine:
         the one whose variants include the name; `family=` picks one when several do."""
         check_dtype(dtype)
         entry = family_of_variant(variant, family)
-        return cls(entry.random_variant(variant, seed, device, dtype), entry, **kw)
+        engine = cls(entry.random_variant(variant, seed, device, dtype), entry, **kw)
+        engine.weights_source = ("random", variant, seed)   # what Engine.reload regenerates a component from
+        return engine
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -242,6 +248,7 @@ class Engine:
                 f"{self.family.name} request: needs about {_gib(peak)} at its peak ({phase}), more than this "
                 f"engine's memory budget of {_gib(budget)}; it can never fit (reduce {', '.join(cost.fields)})",
                 cost.fields[0] if cost.fields else None)
+        self._admit_memory(cost)   # slept weights must come back for it: counted, then woken (memory plane)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request at its next step boundary; UnknownRequest (a ValueError) for an id never accepted."""
@@ -329,3 +336,78 @@ class Engine:
         keyed by the old version is invalidated, later records carry the new one. See optimized/training/weights.py."""
         from optimized.training.weights import update_weights
         return update_weights(self, weights, version, policy)
+
+    # ---- memory plane (optimized/runtime/memory.py): sleep / wake by tag, unload / reload, offload modes
+    @property
+    def memory(self) -> Any:
+        """The memory plane of the resident instance (made on first use; follows `update_weights` to a new one)."""
+        from optimized.runtime.memory import MemoryPlane
+        plane = self.__dict__.get("_memory")
+        if plane is None or plane.instance is not self.model:
+            cfg = getattr(self.model, "cfg", None)
+            ids = [c.component_id for c in self.family.components(cfg)] if cfg is not None else []
+            fresh = MemoryPlane(self.model, ids, caches=lambda: self.family.caches(self.model))
+            if plane is not None and plane.mode != "none":
+                fresh.set_offload(plane.mode, plane.budget, plane.prefetch_blocks)
+            self._memory = plane = fresh
+        return plane
+
+    def _admit_memory(self, cost: Any) -> None:
+        unloaded = self.memory.unloaded()
+        if unloaded:
+            raise RequestRejected(f"{self.family.name} request: component(s) {', '.join(unloaded)} are unloaded; "
+                                  f"Engine.reload() them first")
+        extra = self.memory.admission_bytes()
+        if not extra:
+            return
+        peak = cost.peak[1] if cost is not None and cost.phases else 0
+        budget = self.scheduler.memory_budget_bytes
+        if peak + extra > budget:
+            raise RequestRejected(
+                f"{self.family.name} request: needs about {_gib(peak)} at its peak plus {_gib(extra)} of slept "
+                f"weights ({', '.join(self.memory.asleep())}) to bring back, more than this engine's memory budget "
+                f"of {_gib(budget)}")
+        self.memory.wake(("weights",))
+
+    def _check_quiet(self, what: str) -> None:
+        if self.scheduler.running or self.scheduler.waiting:
+            raise RuntimeError(f"Engine.{what}: {len(self.scheduler.running) + len(self.scheduler.waiting)} "
+                               f"request(s) in flight; {what} once they end (or cancel them)")
+
+    def sleep(self, tags: Any = ("weights",)) -> int:
+        """Tagged memory to host ("weights", "weights:<component>") or evicted ("caches"), with no request in flight;
+        device bytes freed. A later request wakes the weights (its admission counts their bytes)."""
+        self._check_quiet("sleep")
+        return self.memory.sleep(tags)
+
+    def wake(self, tags: Any = ("weights",)) -> int:
+        """Slept weights back, bitwise the same, without reading the checkpoint again; device bytes brought back."""
+        return self.memory.wake(tags)
+
+    def unload(self, component: str) -> int:
+        """Drop one component's weights from the device and host (no request in flight); bytes freed."""
+        self._check_quiet("unload")
+        return self.memory.unload(component)
+
+    def reload(self, component: str) -> int:
+        """An unloaded component read again from this engine's weights source (its checkpoint, the weights it was
+        built from, or the seeded random weights of its variant)."""
+        from optimized.runtime.memory import declared_components
+
+        m, entry = self.model, self.family
+        self.memory._component(component)
+        source = getattr(self, "weights_source", None)
+        if getattr(self, "checkpoint", None) is not None:
+            from manifests.checkpoint import load_state
+            weights = {c.component_id: load_state(self.checkpoint, component=c.component_id if self.checkpoint.is_model
+                                                  else None, check_finite=True) for c in entry.components(m.cfg)}
+        elif getattr(self, "base_weights", None) is not None:
+            weights = self.base_weights
+        elif source is not None and source[0] == "random":
+            weights = entry.random_weights(entry.load_variant(source[1]), source[2])
+        else:
+            raise ValueError(f"Engine.reload({component!r}): this engine keeps no weights source to read again")
+        fresh = entry.load(m.cfg, weights, device=str(m.device), dtype=m.dtype, weights_version=m.weights_version)
+        ids = [c.component_id for c in entry.components(m.cfg)]
+        obj = {c.name: c.obj for c in declared_components(fresh, ids)}[component]
+        return self.memory.reload(component, obj)

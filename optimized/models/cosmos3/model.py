@@ -111,6 +111,7 @@ class Cosmos3FastStats:
 
 class Cosmos3Fast:
     """Built from (config, canonical state dict, device, dtype). See the module docstring."""
+    memory_blocks = "layers"   # the per-layer weights blockwise offload streams (optimized/runtime/memory.py)
 
     def __init__(self, cfg: Cosmos3Config, state_dict: dict[str, torch.Tensor], *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

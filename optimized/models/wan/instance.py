@@ -65,6 +65,20 @@ class WanModelInstance:
                                      weights_version=version(TEXT_ENCODER))
         self.vae: FastWanVAE = load_fast_vae(cfg.vae, weights[VAE], device=str(device), dtype=vae_dtype)
 
+    def memory_components(self):
+        """The memory plane's view (optimized/runtime/memory.py): which object holds each component's weights, the
+        methods that run it (only cache misses reach an encoder's), and the DiT block lists blockwise offload
+        streams."""
+        from optimized.runtime.memory import MemoryComponent
+        out = [MemoryComponent(TRANSFORMER, self.dit, ("forward_batch",), blocks="blocks")]
+        if self.dit_2 is not None:
+            out.append(MemoryComponent(TRANSFORMER_2, self.dit_2, ("forward_batch",), blocks="blocks"))
+        out += [MemoryComponent(TEXT_ENCODER, self.text_encoder, ("_run",), release_after_use=True),
+                MemoryComponent(VAE, self.vae, ("decode_chunk", "encode_chunk"))]
+        if getattr(self, "image_encoder", None) is not None:   # 2.1 I2V's CLIP encoder
+            out.append(MemoryComponent("image_encoder", self.image_encoder, ("forward",), release_after_use=True))
+        return out
+
     def experts(self) -> tuple[WanDiTFast, ...]:
         return (self.dit,) + ((self.dit_2,) if self.dit_2 is not None else ())
 
