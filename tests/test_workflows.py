@@ -126,6 +126,29 @@ def test_an_invalid_workflow_exits_2_naming_the_node_before_anything_runs(models
     assert "Traceback" not in err and not (tmp_path / "out").exists()
 
 
+def test_bad_files_and_outputs_exit_2_and_a_failed_run_exits_1_writing_nothing(models, tmp_path, capsys,
+                                                                               monkeypatch):
+    api = str(EXAMPLES / "wan_t2v_tiny_api.json")
+    (tmp_path / "bad.json").write_text('{"3": ')
+    for argv, needle in ((["/no/such.json", "--out", str(tmp_path / "o")], "cannot read /no/such.json"),
+                         ([str(tmp_path / "bad.json"), "--out", str(tmp_path / "o")], "is not JSON"),
+                         ([api, "--out", str(models / "tiny-wan-2.1-t2v" / "o")], "inside the model directory"),
+                         ([api, "--out", str(tmp_path / "o.mp4")], "give a directory")):
+        code = fvgen(["workflow", *argv, "--models-dir", str(models)])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and "Traceback" not in err, err
+    import optimized.models.wan.denoise as denoise
+
+    def broken(*a, **k):
+        raise RuntimeError("planted solver failure")
+    monkeypatch.setattr(denoise, "advance", broken)
+    code = fvgen(["workflow", api, "--models-dir", str(models), "--out", str(tmp_path / "o"), "--quiet"])
+    assert code == 1 and "planted solver failure" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+    assert sorted(p.name for p in (models / "tiny-wan-2.1-t2v").iterdir()) == [
+        "conversion_report.json", "model_index.json", "scheduler", "text_encoder", "tokenizer", "transformer", "vae"]
+
+
 def test_a_muted_node_is_left_out_and_a_consumer_of_it_is_refused():
     from optimized.workflows import load_workflow
     muted_note = _ui(lambda p: p["nodes"].append({"id": 70, "type": "PreviewImage", "mode": 2, "inputs": [

@@ -59,6 +59,10 @@ def run(argv: list[str]) -> int:
         raise UsageError("invalid workflow:\n  " + "\n  ".join(x.text() for x in e.errors)) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        check_out_path(args.out, not_inside=model_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     from manifests.errors import ManifestError
     from optimized import Engine
     try:

@@ -80,6 +80,8 @@ class NodeError:
     message: str
 
     def text(self) -> str:
+        if not self.node_id:   # about the whole workflow (unreadable, no outputs), not one node
+            return self.message
         where = f"node {self.node_id} ({self.class_type})" + (f" input {self.input_name}" if self.input_name else "")
         return f"{where}: {self.message}"
 

@@ -190,9 +190,10 @@ def write_outputs(program: WorkflowProgram, result: Any, out: str | Path) -> dic
     """Every output node's artifact under OUT (written into a temp directory renamed to OUT: all or nothing);
     {node id: {class_type, paths}}."""
     from optimized.programs import check_out_path, write_video_artifacts
-    target = check_out_path(Path(out)) if Path(out).suffix == "" else Path(out)
+    target = Path(out)
     if target.suffix:
         raise ValueError(f"out: {out} must name a directory (one folder per output node)")
+    check_out_path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
     written: dict[str, dict] = {}
