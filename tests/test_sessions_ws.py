@@ -39,12 +39,12 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """`python -m optimized.serving.server wan --variant tiny` in its own process."""
+    """`python -m optimized.serving.server FAMILY --variant tiny` in its own process."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, family: str = "wan"):
         self.port = free_port()
         self.log = open(tmp / "server.log", "w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "optimized.serving.server", "wan", "--variant", "tiny",
+        self.proc = subprocess.Popen([sys.executable, "-m", "optimized.serving.server", family, "--variant", "tiny",
                                       "--port", str(self.port), "--output-dir", str(tmp / "videos"),
                                       "--api-key", KEY], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -322,3 +322,23 @@ def test_sigterm_with_a_session_mid_generation_ends_the_server_promptly(tmp_path
         else:
             s.http.close()
             s.log.close()
+
+
+@pytest.mark.slow   # a cosmos3 server of its own
+def test_cosmos3_reasoning_tokens_stream_over_the_socket_then_the_video(tmp_path):
+    s = LiveServer(tmp_path, "cosmos3")
+    try:
+        with s.ws() as ws:
+            send(ws, "session.start", conditioning={"num_steps": 2})
+            until(ws, "session.created")
+            send(ws, "input.text", text="why is the sky blue")
+            send(ws, "reason", max_new_tokens=4, then_generate=True)
+            got = until(ws, "generation.completed")
+        kinds = [m["type"] for m in got]
+        tokens = [m for m in got if m["type"] == "reasoning.token"]
+        done = next(m for m in got if m["type"] == "reasoning.completed")
+        assert [t["index"] for t in tokens] == [0, 1, 2, 3] and [t["token_id"] for t in tokens] == done["tokens"]
+        assert kinds.index("reasoning.completed") < kinds.index("generation.started")
+        assert kinds.count("media.video_chunk") >= 1
+    finally:
+        s.stop()
