@@ -373,7 +373,7 @@ class AsyncEngine:
         return await handle.result()
 
     async def cancel(self, request_id: str) -> None:
-        await self.handles[request_id].cancel()
+        await (self.handles.get(request_id) or self._loops[request_id]).cancel()
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (its owner holds the handle and result from here on)."""
