@@ -184,3 +184,29 @@ def test_a_body_without_a_prompt_is_400(served):
     server, _ = served
     r = server.client.post("/prompt", json={"nodes": 3})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_prompt"
+
+
+def test_the_comfy_routes_need_the_api_key_and_a_variant_server_takes_its_variant_name(tmp_path):
+    """In-process (TestClient runs the app's lifespan): a random-weight server serves its variant by name."""
+    from fastapi.testclient import TestClient
+
+    from optimized import Engine
+    from optimized.serving.server import create_app
+    engine = Engine.from_variant("tiny-2.1-t2v", seed=0)
+    engine.__dict__["variant"] = "tiny-2.1-t2v"
+    prompt = _api_prompt()
+    for nid, name in (("37", "unet_name"), ("38", "clip_name"), ("39", "vae_name")):
+        prompt[nid]["inputs"][name] = "tiny-2.1-t2v"
+    with TestClient(create_app(engine, output_dir=tmp_path, api_key="sekret")) as client:
+        assert client.post("/prompt", json={"prompt": prompt}).status_code == 401
+        assert client.get("/api/object_info").status_code == 401
+        r = client.post("/api/prompt", json={"prompt": prompt}, headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 200, r.text
+        pid, t0 = r.json()["prompt_id"], time.monotonic()
+        while time.monotonic() - t0 < 60:
+            h = client.get(f"/history/{pid}", headers={"X-API-Key": "sekret"}).json()
+            if h:
+                break
+            time.sleep(0.05)
+        assert h[pid]["status"]["status_str"] == "success", h
+        assert len(h[pid]["outputs"]["28"]["images"]) == 5
