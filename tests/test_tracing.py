@@ -162,3 +162,26 @@ def test_a_bad_log_format_is_a_usage_error(argv, env, monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         server.build_parser().parse_args(argv)
     assert stop.value.code == 2 and "must be one of text, json" in capsys.readouterr().err
+
+
+def test_a_failing_step_fails_its_spans_and_counts_as_failed(tmp_path):
+    app, exporter, events = served(tmp_path)
+    sync = app.state.observability.engine
+    kernel = sync.loop("denoise")
+
+    def planted(states, plans):
+        raise RuntimeError("planted step failure")
+
+    kernel.run_step = planted      # every denoise step raises: the request fails at its first step
+    with TestClient(app) as client:
+        vid = client.post("/v1/videos", json=SMALL).json()["id"]
+        assert finished(client, vid) == "failed"
+        request_span = the_request_span(exporter, vid)
+        metrics = client.get("/metrics").text
+    assert 'fv_requests_total{status="failed"} 1.0' in metrics
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.context.trace_id == request_span.context.trace_id}
+    for name in ("fv.request", "fv.program", "fv.stage denoise"):
+        assert spans[name].status.status_code.name == "ERROR", (name, spans[name].status)
+        assert spans[name].attributes["fv.status"] == "failed"
+    assert "planted step failure" in spans["fv.stage denoise"].status.description
+    assert "fv.stage decode" not in spans and "fv.step" not in spans, sorted(spans)
