@@ -105,7 +105,7 @@ class Connection:
                     await self.handle(message["text"])
                 else:
                     await self.error("invalid_message", "send JSON text frames (a binary frame was sent)", None, None)
-        except (WebSocketDisconnect, RuntimeError):   # RuntimeError: the server closed it (session.closed)
+        except (WebSocketDisconnect, RuntimeError, OSError):   # gone, or closed by the server (session.closed)
             pass
         finally:
             await self._detach(leave=True)
@@ -137,6 +137,8 @@ class Connection:
             from optimized.serving.videos_api import guess_param   # the HTTP API's field names
             msg = str(e)
             await self.error("invalid_request", msg, getattr(e, "field", None) or guess_param(msg, {}), kind)
+        except (WebSocketDisconnect, OSError):
+            raise   # the socket is gone: run() ends the connection
         except Exception as e:  # noqa: BLE001 - a bug answers this message; the connection and the session go on
             log.exception("realtime session message %r failed", kind)
             await self.error("server_error", f"internal error: {type(e).__name__}", None, kind)
@@ -228,7 +230,7 @@ class Connection:
                 await self.ws.close(CLOSE_LAGGED, "lagged")
             except Exception:  # noqa: BLE001 - the client may be gone already
                 pass
-        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+        except (WebSocketDisconnect, RuntimeError, OSError):
             pass   # the client went away: run() sees it and leaves the session
 
 
