@@ -284,6 +284,8 @@ def check_nothing_leaks(server, n: int, rss_bound: int) -> None:
     assert grown < rss_bound, f"RSS grew {grown / 2**20:.1f} MiB over {n} sessions"
     assert after["closed"]["idle_timeout"] - base["closed"]["idle_timeout"] == sum(1 for i in range(n)
                                                                                     if (3 + i) % 3 == 0)
+    server.log.flush()
+    assert "Traceback" not in Path(server.log.name).read_text()   # disconnects and closes end quietly
 
 
 def test_nothing_leaks_over_10_sessions(server):
