@@ -106,6 +106,17 @@ def _graph_buckets(model: Any) -> list[dict]:
                   key=lambda d: (d["mode"], d["bucket"], d["batch_size"]))
 
 
+def _weights_memory(engine: Any) -> dict:
+    """Where the weights are (the memory plane, optimized/runtime/memory.py): offload mode, device / host bytes."""
+    plane = getattr(engine, "memory", None)
+    if plane is None or not hasattr(plane, "summary"):
+        return {}
+    s = plane.summary()
+    return {"offload": s["offload"], "offload_budget_bytes": s["offload_budget_bytes"],
+            "weights_device_bytes": s["weights_device_bytes"], "weights_host_bytes": s["weights_host_bytes"],
+            "asleep": plane.asleep(), "unloaded": plane.unloaded()}
+
+
 def deployment_card(engine: Any) -> DeploymentCard:
     entry, caps = engine.family, engine.family.capabilities
     capabilities = {"modalities": list(caps.modalities), "cfg_policies": list(caps.cfg_policies)}
@@ -128,5 +139,6 @@ def deployment_card(engine: Any) -> DeploymentCard:
         dtypes=_dtypes(engine.model), device=str(getattr(engine.model, "device", "cpu")),
         buckets_captured=_graph_buckets(engine.model), parallel_plan=_parallel(engine),
         memory={"budget_bytes": sched.memory_budget_bytes, "reserved_bytes": sched.reserved_bytes,
-                "peak_bytes": sched.peak_bytes, "parameter_bytes": _param_bytes(engine.model)},
+                "peak_bytes": sched.peak_bytes, "parameter_bytes": _param_bytes(engine.model),
+                **_weights_memory(engine)},
         extra={"cfg_policy": engine.options.cfg_policy, "max_batch": sched.max_batch})

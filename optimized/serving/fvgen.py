@@ -205,6 +205,9 @@ def _generate_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     r.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model dtype (default fp32)")
     r.add_argument("--plan", default="none", help="parallel plan; only 'none' is supported for now")
+    r.add_argument("--offload", default="none", choices=("none", "idle", "blockwise"),
+                   help="weights offload (bitwise the same output): idle = one component on the device at a time; "
+                        "blockwise = also the DiT by blocks with prefetch, for models larger than the device")
     r.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -254,6 +257,11 @@ def _run_generate(argv: list[str]) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan, args.seed_weights)
+    if args.offload != "none":   # the memory plane (optimized/runtime/memory.py)
+        try:
+            engine.memory.set_offload(args.offload)
+        except ValueError as e:
+            raise UsageError(f"--offload {args.offload}: {e}") from None
     try:
         height, width = parse_size(args.size, "--size") if args.size else (None, None)
         image = _read_image(args.image) if args.image else None
