@@ -308,7 +308,7 @@ def test_close_cancels_the_running_generation_and_forgets_everything(engine):
 
 @pytest.fixture(scope="module")
 def cosmos3():
-    return Engine.from_variant("tiny", seed=0)
+    return Engine.from_variant("cosmos3:tiny", seed=0)
 
 
 def test_cosmos3_reasoning_streams_each_token_at_its_step_then_generates_from_it(cosmos3):
