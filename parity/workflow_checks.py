@@ -1,7 +1,8 @@
 """C1 / C4 through the workflow path: a compiled ComfyUI workflow's output equals the direct request with the same
 settings, bitwise on CPU fp32.
 
-For each example workflow (examples/workflows/: the tiny wan t2v model, API prompt and UI export) the check
+For each example workflow (examples/workflows/: the tiny wan 2.1 t2v model, API prompt and UI export; the tiny
+wan 2.2 ti2v model as text-to-video, API prompt) the check
   1. compiles it and compares the request fields it means with the settings the case states by hand
      (`CASES`: never read from the compiler) -> `<case>/settings` names the first field that differs;
   2. runs it (bind -> the engine's video program) and the direct request (the processor's request from the stated
@@ -15,7 +16,7 @@ This is a standalone check module (no family registry edit): run by tests/test_w
 
   python -m parity.workflow_checks --models-dir ROOT [--make-models] [--fault NAME] [--json PATH]
 
-(exit 0 pass, 1 a check failed, 2 setup error). `--make-models` writes the tiny model directory the examples name
+(exit 0 pass, 1 a check failed, 2 setup error). `--make-models` writes the tiny model directories the examples name
 (seeded random weights converted by fvconvert, plus a tiny word-level tokenizer) under ROOT first.
 """
 
@@ -51,8 +52,12 @@ class WorkflowCase:
 
 _TINY_SETTINGS = dict(prompt="a cat walks on the grass", negative_prompt="blurry static", num_frames=5, height=32,
                       width=32, num_steps=3, guidance_scale=5.0, seed=42, solver="unipc", flow_shift=3.0)
+_TI2V_SETTINGS = dict(prompt="a cat walks on the grass", negative_prompt="blurry static", num_frames=9, height=32,
+                      width=32, num_steps=3, guidance_scale=4.0, seed=7, solver="euler", flow_shift=5.0)
 CASES = (WorkflowCase("api", "wan_t2v_tiny_api.json", _TINY_SETTINGS),
-         WorkflowCase("ui", "wan_t2v_tiny_ui.json", _TINY_SETTINGS))
+         WorkflowCase("ui", "wan_t2v_tiny_ui.json", _TINY_SETTINGS),
+         WorkflowCase("ti2v-api", "wan22_ti2v_tiny_api.json", _TI2V_SETTINGS))
+TINY_MODELS = {TINY_MODEL: "tiny-2.1-t2v", "tiny-wan-2.2-ti2v": "tiny-2.2-ti2v"}   # model dir name -> variant
 
 
 # ------------------------------------------------------------------------------------------------------ faults
@@ -98,8 +103,8 @@ def write_tiny_tokenizer(folder: Path) -> None:
                                                               "model_max_length": 512}))
 
 
-def write_tiny_models(root: str | Path, name: str = TINY_MODEL, seed: int = 0) -> Path:
-    """ROOT/<name>: the tiny wan 2.1 t2v variant's seeded random weights as a canonical model directory (fvconvert,
+def write_tiny_models(root: str | Path, name: str = TINY_MODEL, seed: int = 0, variant: str = "tiny-2.1-t2v") -> Path:
+    """ROOT/<name>: a tiny wan variant's (default the 2.1 t2v one) seeded random weights as a canonical model directory (fvconvert,
     through the wan parity family's writer) with a tiny tokenizer. Returns the directory."""
     from parity.families.wan.common import resolve_models
     from parity.families.wan.parallel import write_model_dir
@@ -108,7 +113,7 @@ def write_tiny_models(root: str | Path, name: str = TINY_MODEL, seed: int = 0) -
     if target.exists():
         raise SetupError(f"{target} already exists")
     with tempfile.TemporaryDirectory(dir=root if root.is_dir() else None) as tmp:
-        made = write_model_dir(resolve_models(["tiny-2.1-t2v"], None, seed, kinds=("model",))[0], Path(tmp) / "m")
+        made = write_model_dir(resolve_models([variant], None, seed, kinds=("model",))[0], Path(tmp) / "m")
         write_tiny_tokenizer(Path(made) / "tokenizer")
         root.mkdir(parents=True, exist_ok=True)
         shutil.move(str(made), str(target))
@@ -141,7 +146,8 @@ def _exact(name: str, got: torch.Tensor, want: torch.Tensor, what: str) -> Check
 
 
 def run_checks(models_dir: str | Path, fault: str | None = None, cases: tuple[WorkflowCase, ...] = CASES,
-               engine: Any = None) -> Report:
+               engines: dict | None = None) -> Report:
+    """Every case's checks; `engines` (model directory -> Engine) is filled and reused across calls."""
     from optimized import Engine
     from optimized.workflows import bind, compile_file, resolve_model_dir
     if fault is not None and fault not in FAULTS:
@@ -149,15 +155,18 @@ def run_checks(models_dir: str | Path, fault: str | None = None, cases: tuple[Wo
     report = Report("wan", "C1+C4 (workflow)", {"models_dir": str(models_dir), "fault": fault,
                                                 "cases": [c.file for c in cases]})
     direct: dict = {}
+    engines = {} if engines is None else engines
     with (FAULTS[fault]() if fault else contextlib.nullcontext()):
         for case in cases:
             checks = report.checks
             with exceptions_fail(checks, f"{case.name}/compile"):
                 program = compile_file(EXAMPLES / case.file)
                 checks.append(_settings_check(case, program))
-                if engine is None:
-                    engine = Engine.from_checkpoint(resolve_model_dir(program, models_dir))
-                key = json.dumps(case.settings, sort_keys=True)
+                model_dir = resolve_model_dir(program, models_dir)
+                if model_dir not in engines:
+                    engines[model_dir] = Engine.from_checkpoint(model_dir)
+                engine = engines[model_dir]
+                key = json.dumps([str(model_dir), case.settings], sort_keys=True)
                 if key not in direct:
                     direct[key] = engine.generate_video(direct_request(engine, case.settings))
                 want = direct[key]
@@ -172,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m parity.workflow_checks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models-dir", required=True)
-    p.add_argument("--make-models", action="store_true", help=f"write ROOT/{TINY_MODEL} first")
+    p.add_argument("--make-models", action="store_true", help=f"write ROOT/{', '.join(TINY_MODELS)} first")
     p.add_argument("--fault", choices=sorted(FAULTS), help="plant a negative control (the run must fail)")
     p.add_argument("--json", help="write the report as JSON")
     args = p.parse_args(argv)
     try:
         if args.make_models:
-            write_tiny_models(args.models_dir)
+            for name, variant in TINY_MODELS.items():
+                write_tiny_models(args.models_dir, name, variant=variant)
         report = run_checks(args.models_dir, args.fault)
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,7 +13,7 @@ import torch
 
 from optimized.serving.fvgen import main as fvgen
 from optimized.workflows import WorkflowCache, WorkflowError, bind, compile_file, node_keys
-from parity.workflow_checks import CASES, EXAMPLES, FAULTS, direct_request, run_checks, write_tiny_models
+from parity.workflow_checks import CASES, EXAMPLES, FAULTS, TINY_MODELS, direct_request, run_checks, write_tiny_models
 
 API = json.loads((EXAMPLES / "wan_t2v_tiny_api.json").read_text())
 UI = json.loads((EXAMPLES / "wan_t2v_tiny_ui.json").read_text())
@@ -21,7 +21,10 @@ UI = json.loads((EXAMPLES / "wan_t2v_tiny_ui.json").read_text())
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return write_tiny_models(tmp_path_factory.mktemp("wf") / "models").parent
+    root = tmp_path_factory.mktemp("wf") / "models"
+    for name, variant in TINY_MODELS.items():
+        write_tiny_models(root, name, variant=variant)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +182,22 @@ def test_ui_widgets_follow_the_input_order_with_control_after_generate():
         compile_file(too_many)
 
 
+def test_the_ti2v_latent_refuses_a_start_image_a_missing_shift_and_the_wrong_model(models, engine):
+    ti2v = json.loads((EXAMPLES / "wan22_ti2v_tiny_api.json").read_text())
+    with_image = copy.deepcopy(ti2v)
+    with_image["90"] = {"class_type": "LoadImage", "inputs": {"image": "x.png"}}
+    with_image["55"]["inputs"]["start_image"] = ["90", 0]
+    with pytest.raises(WorkflowError, match="node 90 \\(LoadImage\\).*model path"):
+        compile_file(with_image)
+    no_shift = copy.deepcopy(ti2v)
+    no_shift["3"]["inputs"]["model"] = ["37", 0]
+    del no_shift["48"]
+    with pytest.raises(WorkflowError, match="node 3 \\(KSampler\\) input model: a Wan 2.2 workflow needs"):
+        compile_file(no_shift)
+    with pytest.raises(WorkflowError, match="node 55 \\(Wan22ImageToVideoLatent\\): .* this model is a t2v"):
+        bind(compile_file(ti2v), engine)   # the 2.1 t2v engine
+
+
 def test_no_model_sampling_node_means_comfyui_wan_shift_8():
     wf = _api(lambda p: (p["3"]["inputs"].update(model=["37", 0]), p.pop("48")))
     assert compile_file(wf).sampling.flow_shift == 8.0
@@ -210,17 +229,23 @@ def test_a_changed_seed_re_encodes_no_text(engine):
     assert retexted.cache_hits == {"6": False, "7": True}
 
 
-def test_the_workflow_parity_check_passes(models, engine):
-    report = run_checks(models, engine=engine)
-    assert report.passed and len(report.checks) == 6, report.table()
+@pytest.fixture(scope="module")
+def engines(models, engine):
+    return {(models / "tiny-wan-2.1-t2v").resolve(): engine}
+
+
+def test_the_workflow_parity_check_passes(models, engines):
+    report = run_checks(models, engines=engines)
+    assert report.passed and len(report.checks) == 9, report.table()
+    assert {c.name for c in report.checks} >= {"ti2v-api/C1_latents", "ti2v-api/C4_frames"}
 
 
 @pytest.mark.parametrize("fault, failing", [("widget-shifted-by-one", "ui/compile"),
                                             ("cfg-read-as-steps", "api/settings")])
-def test_the_workflow_parity_check_fails_on_a_planted_fault(models, engine, fault, failing):
-    report = run_checks(models, fault=fault, engine=engine)
+def test_the_workflow_parity_check_fails_on_a_planted_fault(models, engines, fault, failing):
+    report = run_checks(models, fault=fault, engines=engines)
     failed = [c.name for c in report.checks if not c.passed]
     assert not report.passed and failing in failed, report.table()
     if fault == "cfg-read-as-steps":   # silent in the compiler: the bitwise runs catch it too
-        assert {"api/C1_latents", "api/C4_frames", "ui/C1_latents", "ui/C4_frames"} <= set(failed)
+        assert {f"{c}/{k}" for c in ("api", "ui", "ti2v-api") for k in ("C1_latents", "C4_frames")} <= set(failed)
     assert set(FAULTS) == {"widget-shifted-by-one", "cfg-read-as-steps"}

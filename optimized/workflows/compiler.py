@@ -4,7 +4,8 @@ the model files it names, and the outputs it writes. Nothing is loaded or run he
 What compiles (the Wan 2.1 / 2.2 text-to-video graph ComfyUI ships):
     UNETLoader -> [ModelSamplingSD3 shift] -> KSampler.model
     CLIPLoader(type wan) -> CLIPTextEncode x2 -> KSampler.positive / .negative
-    EmptyHunyuanLatentVideo(width, height, length, batch_size 1) -> KSampler.latent_image
+    EmptyHunyuanLatentVideo(width, height, length, batch_size 1) -> KSampler.latent_image          (2.1 t2v)
+    Wan22ImageToVideoLatent(VAELoader, width, height, length, batch_size 1, no start_image)   (2.2 ti2v, text only)
     KSampler(seed, steps, cfg, sampler_name, scheduler simple, denoise 1.0) -> VAEDecode(VAELoader) -> IMAGE
     IMAGE -> SaveAnimatedWEBP / SaveWEBM / SaveImage / PreviewImage / CreateVideo -> SaveVideo / an unknown node
 
@@ -28,7 +29,9 @@ SOLVERS = {"uni_pc": "unipc", "uni_pc_bh2": "unipc", "euler": "euler"}
 SCHEDULERS = ("simple",)
 CLIP_FAMILIES = {"wan": "wan"}       # CLIPLoader type -> family
 DEFAULT_SHIFT = 8.0                  # (upstream) comfy supported_models WAN21_T2V sampling_settings shift
-LATENT_TEMPORAL, LATENT_SPATIAL = 4, 8   # (upstream) EmptyHunyuanLatentVideo: (length - 1) // 4 + 1 frames, size / 8
+LATENT_TEMPORAL = 4   # (upstream) both latent nodes: (length - 1) // 4 + 1 latent frames
+# (upstream) the latent node -> (its spatial compression, the wan task whose model denoises it)
+LATENT_NODES = {"EmptyHunyuanLatentVideo": (8, "t2v"), "Wan22ImageToVideoLatent": (16, "ti2v")}
 IMAGE_SINKS = ("SaveAnimatedWEBP", "SaveWEBM", "SaveImage", "PreviewImage")
 
 
@@ -58,10 +61,13 @@ class Sampling:
 
 @dataclass(frozen=True)
 class LatentVideo:
-    node_id: str                     # the EmptyHunyuanLatentVideo
+    node_id: str                     # the EmptyHunyuanLatentVideo / Wan22ImageToVideoLatent
+    class_type: str
     latent_frames: int
     latent_height: int
     latent_width: int
+    spatial: int                     # pixels per latent side (8: the 2.1 VAE, 16: the 2.2 VAE)
+    task: str                        # the wan task whose model denoises this latent (t2v | ti2v)
 
     @property
     def num_frames(self) -> int:     # the pixel frames the decoded latents hold
@@ -69,11 +75,11 @@ class LatentVideo:
 
     @property
     def height(self) -> int:
-        return self.latent_height * LATENT_SPATIAL
+        return self.latent_height * self.spatial
 
     @property
     def width(self) -> int:
-        return self.latent_width * LATENT_SPATIAL
+        return self.latent_width * self.spatial
 
 
 @dataclass(frozen=True)
@@ -187,8 +193,18 @@ class _Compiler:
         unet, shift, shift_node = self.model_chain(sampler)
         positive, clip_a = self.text(sampler, "positive")
         negative, clip_b = self.text(sampler, "negative")
-        latent = self.expect(sampler, "latent_image", "EmptyHunyuanLatentVideo")
+        latent = self.expect(sampler, "latent_image", *LATENT_NODES)
         vae = self.expect(decode, "vae", "VAELoader")
+        if latent is not None and latent.class_type == "Wan22ImageToVideoLatent":
+            if "start_image" in latent.links:
+                self.fail(latent, "start_image", "image-conditioned generation is not compiled yet; leave it "
+                                                 "unconnected (text-to-video on the ti2v model)")
+            own = self.expect(latent, "vae", "VAELoader")
+            if own is not None and vae is not None and widget_value(own, "vae_name") != widget_value(vae, "vae_name"):
+                self.fail(latent, "vae", f"node {own.id}'s VAE is not the VAEDecode's (node {vae.id}); one model "
+                                         f"directory's VAE does both")
+            if shift_node is None:   # ComfyUI's own default shift for Wan 2.2 models is not restated here
+                self.fail(sampler, "model", "a Wan 2.2 workflow needs a ModelSamplingSD3 node stating its shift")
         if clip_a is not None and clip_b is not None and clip_a is not clip_b and \
                 widget_value(clip_a, "clip_name") != widget_value(clip_b, "clip_name"):
             self.fail(clip_b, "clip_name", f"the two prompts are encoded by different text encoders (node "
@@ -217,9 +233,11 @@ class _Compiler:
             if widget_value(latent, "batch_size") != 1:
                 self.fail(latent, "batch_size", f"{widget_value(latent, 'batch_size')!r}: one video per workflow "
                                                 f"run; use 1 (queue the workflow again for more)")
-            latent_spec = LatentVideo(latent.id, (int(widget_value(latent, "length")) - 1) // LATENT_TEMPORAL + 1,
-                                      int(widget_value(latent, "height")) // LATENT_SPATIAL,
-                                      int(widget_value(latent, "width")) // LATENT_SPATIAL)
+            spatial, task = LATENT_NODES[latent.class_type]
+            latent_spec = LatentVideo(latent.id, latent.class_type,
+                                      (int(widget_value(latent, "length")) - 1) // LATENT_TEMPORAL + 1,
+                                      int(widget_value(latent, "height")) // spatial,
+                                      int(widget_value(latent, "width")) // spatial, spatial, task)
         outputs = self.outputs(sinks, decode)
         if self.errors:
             raise WorkflowError(self.errors)
@@ -269,5 +287,5 @@ def compile_workflow(wf: Workflow) -> WorkflowProgram:
     return _Compiler(wf).compile()
 
 
-__all__ = ["DEFAULT_SHIFT", "IMAGE_SINKS", "LatentVideo", "ModelFile", "Output", "SOLVERS", "Sampling",
+__all__ = ["DEFAULT_SHIFT", "IMAGE_SINKS", "LATENT_NODES", "LATENT_TEMPORAL", "LatentVideo", "ModelFile", "Output", "SOLVERS", "Sampling",
            "TextPrompt", "WorkflowProgram", "compile_workflow", "widget_value"]

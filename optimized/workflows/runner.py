@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from optimized.workflows.cache import WorkflowCache, node_keys
-from optimized.workflows.compiler import LATENT_SPATIAL, LATENT_TEMPORAL, ModelFile, WorkflowProgram
+from optimized.workflows.compiler import LATENT_TEMPORAL, ModelFile, WorkflowProgram
 from optimized.workflows.graph import NodeError, WorkflowError
 
 COMFY_FOLDERS = {"unet_name": ("diffusion_models", "unet"), "clip_name": ("text_encoders", "clip"),
@@ -132,16 +132,18 @@ def bind(program: WorkflowProgram, engine: Any, cache: WorkflowCache | None = No
     if engine.family.name != program.family:
         raise _node_error(program, program.clip, "type", f"a {program.family} text encoder, but the model is a "
                                                          f"{engine.family.name} model")
-    if getattr(cfg, "task", "t2v") != "t2v" or getattr(cfg, "two_experts", False):
-        raise _node_error(program, program.unet, None, f"the model is a {cfg.task}"
-                          f"{' two-expert' if getattr(cfg, 'two_experts', False) else ''} model; this workflow "
-                          f"shape (one KSampler over an empty latent) compiles for one-expert text-to-video models")
+    lat = program.latent
+    if getattr(cfg, "two_experts", False):
+        raise _node_error(program, program.unet, None, "the model has two experts; this workflow shape (one "
+                                                       "KSampler) compiles for one-expert models")
+    if getattr(cfg, "task", "t2v") != lat.task:
+        raise _node_error(program, lat.node_id, None, f"{lat.class_type} is the latent of wan {lat.task} models; "
+                                                      f"this model is a {cfg.task} model")
     vae = cfg.vae
-    if (vae.temporal_compression, vae.spatial_compression) != (LATENT_TEMPORAL, LATENT_SPATIAL):
-        raise _node_error(program, program.latent.node_id, None,
-                          f"EmptyHunyuanLatentVideo makes {LATENT_TEMPORAL}x temporal / {LATENT_SPATIAL}x spatial "
-                          f"latents; this model's VAE compresses {vae.temporal_compression}x / "
-                          f"{vae.spatial_compression}x")
+    if (vae.temporal_compression, vae.spatial_compression) != (LATENT_TEMPORAL, lat.spatial):
+        raise _node_error(program, lat.node_id, None,
+                          f"{lat.class_type} makes {LATENT_TEMPORAL}x temporal / {lat.spatial}x spatial latents; "
+                          f"this model's VAE compresses {vae.temporal_compression}x / {vae.spatial_compression}x")
     keys = node_keys(program.workflow, str(getattr(engine.model, "weights_version", None) or "unknown"),
                      str(engine.model.dtype).removeprefix("torch."))
     hits: dict[str, bool] = {}
@@ -159,7 +161,6 @@ def bind(program: WorkflowProgram, engine: Any, cache: WorkflowCache | None = No
             if cache is not None:
                 cache.remember(keys[p.node_id], got)
         ids[p.node_id] = got
-    lat = program.latent
     try:
         request, _ = build_request(
             engine, prompt_ids=ids[program.positive.node_id].tolist(),
