@@ -217,7 +217,7 @@ def test_hot_load_unload_and_unknown_adapter(weights, adapters):
 
 def test_fvgen_lora_flag(tmp_path, capsys):
     from optimized.serving.fvgen import main as fvgen
-    lora = "golden/wan/lora_t2v/lora/pytorch_lora_weights.safetensors"
+    lora = "golden/wan/lora_t2v/upstream/pytorch_lora_weights.safetensors"
     base = ["wan", "--variant", VARIANT, "--prompt-ids", "3,4,5", "--steps", "2", "--quiet"]
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]

@@ -78,24 +78,26 @@ def write_case(out_root: Path, name: str) -> Path:
     case = CASES[name]
     tmp, d = out_root / f".{name}.tmp", out_root / name
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "lora").mkdir(parents=True)
+    (tmp / "upstream").mkdir(parents=True)   # the upstream artifact of this case: the LoRA file save_lora_weights wrote
     transformer = WanTransformer3DModel.from_pretrained(ROOT / "golden" / "wan" / BASE / "upstream" / "transformer")
     layers = lora_state(transformer, case["seed"])
     modules = sorted({k.split(".lora_")[0] for k in layers})   # as diffusers' get_peft_kwargs
-    WanPipeline.save_lora_weights(tmp / "lora", transformer_lora_layers=layers,
+    WanPipeline.save_lora_weights(tmp / "upstream", transformer_lora_layers=layers,
                                   transformer_lora_adapter_metadata={"r": RANK, "lora_alpha": ALPHA,
                                                                      "target_modules": modules})
-    latents = run_case(name, tmp / "lora")
-    assert torch.equal(latents, run_case(name, tmp / "lora")), f"{name}: not reproducible"
+    latents = run_case(name, tmp / "upstream")
+    assert torch.equal(latents, run_case(name, tmp / "upstream")), f"{name}: not reproducible"
     save_file({"latents": latents}, tmp / "outputs.safetensors")
+    save_file({}, tmp / "inputs.safetensors")   # the inputs are the base case's (base_case)
     v = pipe_goldens.versions()
     meta = {"family": "wan", "probe": "wan.generate_lora", "base_case": BASE,
             "upstream": {"package": "diffusers", "version": v.get("diffusers"), "class": "WanPipeline",
                          "lora": "load_lora_weights + " + ("fuse_lora" if case["fuse"] else "set_adapters"),
                          "peft": v.get("peft") or _peft_version(), "torch": v.get("torch")},
-            "dtype": "float32", "tolerance": {"rel_l2": REL_L2_TOL},
+            "upstream_format": "diffusers", "dtype": "float32", "seed": case["seed"],
+            "tolerance": {"rel_l2": REL_L2_TOL},
             "params": {"adapter_name": "style", "scale": case["scale"], "fused": case["fuse"], "rank": RANK,
-                       "lora_alpha": ALPHA, "lora_seed": case["seed"], "lora_file": "lora/pytorch_lora_weights.safetensors"},
+                       "lora_alpha": ALPHA, "lora_seed": case["seed"], "lora_file": "upstream/pytorch_lora_weights.safetensors"},
             "description": case["description"]}
     (tmp / "case.json").write_text(json.dumps(meta, indent=1) + "\n")
     shutil.rmtree(d, ignore_errors=True)
@@ -116,7 +118,7 @@ def main() -> int:
     for name in CASES:
         if args.verify:
             want = load_file(args.out / name / "outputs.safetensors")["latents"]
-            got = run_case(name, args.out / name / "lora")
+            got = run_case(name, args.out / name / "upstream")
             print(name, "equal" if torch.equal(got, want) else f"DIFFERS {(got - want).abs().max().item():.3g}")
         else:
             print("wrote", write_case(args.out, name))

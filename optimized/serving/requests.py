@@ -181,17 +181,17 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
                   height: int | None = None, width: int | None = None, num_steps: int | None = None,
                   guidance_scale: float | None = None, seed: int | None = 0,
                   image: torch.Tensor | None = None, fps: float | None = None, guidance_scale_2: float | None = None,
-                  flow_shift: float | None = None,
-                  boundary_ratio: float | None = None) -> tuple[Any, torch.Tensor | None]:
+                  flow_shift: float | None = None, boundary_ratio: float | None = None,
+                  lora: tuple = ()) -> tuple[Any, torch.Tensor | None]:
     """A family request from plain fields, and the image the video program must encode (None when the request
     carries it). Uses the family's processor for prompts when it has one; see the module doc otherwise. The
-    extension fields (fps, guidance_scale_2, flow_shift, boundary_ratio) go where the family's request has them
-    (`with_extensions`)."""
+    extension fields (fps, guidance_scale_2, flow_shift, boundary_ratio) and the LoRA refs (`lora`, checked by the
+    engine's adapter manager) go where the family's request has them (`with_extensions`)."""
     if prompt_ids is None and prompt is not None and processor_for(engine) is not None:
         request, left = request_from_prompt(engine, prompt, negative_prompt=negative_prompt, num_frames=num_frames,
                                             height=height, width=width, num_steps=num_steps,
                                             guidance_scale=guidance_scale, seed=seed, image=image)
-        return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio), left
+        return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio, lora), left
     adapter = adapter_for(engine)
     in_request = media_chain(engine).image_in_request
     text = tokens_for(engine, prompt, prompt_ids)
@@ -205,7 +205,7 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
         raise
     except ValueError as e:
         raise ServingError(str(e)) from None
-    return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio), \
+    return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio, lora), \
         None if in_request else image
 
 
@@ -225,7 +225,7 @@ def frame_step(engine: Any) -> int:
 
 
 def with_extensions(engine: Any, request: Any, fps: float | None = None, guidance_scale_2: float | None = None,
-                    flow_shift: float | None = None, boundary_ratio: float | None = None) -> Any:
+                    flow_shift: float | None = None, boundary_ratio: float | None = None, lora: tuple = ()) -> Any:
     """`request` with the vllm-omni / SGLang extension fields set where its type has them; ServingError naming
     the field where it has none. fps: a request field (cosmos3) or the model's fixed clip rate (which a request may
     restate, not change); boundary_ratio: a two-expert model's own switch point (a model property: a request may
@@ -255,6 +255,10 @@ def with_extensions(engine: Any, request: Any, fps: float | None = None, guidanc
         if abs(float(boundary_ratio) - float(own)) > 1e-9:
             raise ServingError(f"boundary_ratio: this model switches experts at {own:g} (a property of its "
                                f"weights, not changed per request); got {boundary_ratio:g}")
+    if lora:
+        if "lora" not in names:
+            raise ServingError(f"lora: {family} requests take no LoRA adapters")
+        changes["lora"] = tuple(lora)
     return dataclasses.replace(request, **changes) if changes else request
 
 

@@ -61,6 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimized.serving.async_engine import AsyncEngine, EngineClosed, QueueFull
 from optimized.serving.comfy import install_comfy_routes
+from optimized.serving.loras import install_lora_routes
 from optimized.serving.requests import default_fps, frame_step, takes_image
 from optimized.serving.sessions import install_sessions
 from optimized.serving.observability import add_log_args, configure_logging, install_observability
@@ -613,6 +614,7 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     install_comfy_routes(app, engine, state, out_dir, api_key)   # ComfyUI's /prompt, /history, ... (comfy.py)
+    install_lora_routes(app, engine, state, out_dir / ".lora-uploads")   # /v1/loras + the `lora` field (loras.py)
     return app
 
 
