@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,3 +177,32 @@ def test_cosmos3_offload_bitwise_equal(mode):
         assert eng.memory.device_bytes == 0
         video, _ = cosmos3_run(eng)                                   # woken by admission
         assert torch.equal(video, want_video)
+
+
+def test_fvgen_offload_flag_same_frames(tmp_path, capsys):
+    """`fvgen wan --offload blockwise` writes the frames the resident run writes; an unknown mode is a usage error."""
+    from optimized.serving import fvgen
+    from parity.artifacts import read_png_frames
+
+    frames = {}
+    for mode in ("none", "blockwise"):
+        out = tmp_path / mode
+        code = fvgen.main(["wan", "--variant", "tiny", "--prompt", "hi", "--steps", "2", "--frames", "5", "--size",
+                           "32x32", "--quiet", "--offload", mode, "--out", str(out)])
+        assert code == 0, capsys.readouterr().err
+        frames[mode] = read_png_frames(out)
+    assert np.array_equal(frames["none"], frames["blockwise"])
+    code = fvgen.main(["wan", "--variant", "tiny", "--prompt", "hi", "--offload", "sometimes", "--out",
+                       str(tmp_path / "x")])
+    assert code == 2 and "--offload" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_card_says_where_the_weights_are():
+    eng = Engine.from_variant("tiny-2.1-t2v", offload="idle")
+    mem = eng.deployment_card()["memory"]
+    assert mem["offload"] == "idle" and mem["weights_device_bytes"] == 0
+    assert mem["weights_host_bytes"] == sum(c.nbytes for c in eng.memory.components.values())   # all on host
+    eng.generate_video(wan_request())
+    eng.sleep()
+    mem = eng.deployment_card()["memory"]
+    assert sorted(mem["asleep"]) == sorted(eng.memory.components) and mem["weights_device_bytes"] == 0

@@ -74,6 +74,10 @@ def steps(device: str, quick: bool, wheels: Path | None = None) -> list[tuple[st
         ("bench_vae", [py, "tools/bench_vae.py", "--device", device] + ([] if quick else
                                                                          ["--variant", "wan2.2", "--frames", "6",
                                                                           "--hw", "16", "16"]), 900),
+        # issue 25 (memory plane; unmeasured on CUDA so far): torch.cuda.max_memory_allocated per offload mode,
+        # pinned-host prefetch on a side stream, bitwise equal to the resident run (exit 1 when not)
+        ("bench_memory", [py, "tools/bench_memory.py", "--device", device] +
+         ([] if quick else ["--layers", "16", "--size", "128x128", "--frames", "9", "--steps", "4"]), 600),
     ]
 
 
