@@ -51,6 +51,9 @@ def compare(candidate: torch.Tensor, reference: torch.Tensor) -> Metrics:
 
 
 def within(m: Metrics, tol: Tolerance) -> bool:
+    if tol.rel_l2 is None and tol.max_abs is None and tol.min_cosine is None:   # would pass any tensor
+        raise ValueError(f"a tensor comparison needs a bound on rel_l2, max_abs or min_cosine; got {tol} (exact: "
+                         f"Tolerance(max_abs=0.0))")
     if m.shape_mismatch or m.nonfinite_candidate or m.nonfinite_reference:
         return False
     if tol.rel_l2 is not None and not m.rel_l2 <= tol.rel_l2:
