@@ -84,14 +84,21 @@ def _api_prompt() -> dict:
     return json.loads(API_FILE.read_text())
 
 
-def test_post_prompt_runs_and_history_holds_frames_equal_to_the_direct_request(served):
-    import numpy as np
-    from PIL import Image
-
+@pytest.fixture(scope="module")
+def direct_frames(served):
     from optimized import Engine
     from parity.workflow_checks import CASES, direct_request
-    server, model = served
-    r = server.client.post("/prompt", json={"prompt": _api_prompt(), "client_id": "test"})
+    engine = Engine.from_checkpoint(served[1])
+    return engine.generate_video(direct_request(engine, CASES[0].settings)).frames.numpy()
+
+
+@pytest.mark.parametrize("name", ["wan_t2v_tiny_api.json", "wan_t2v_tiny_ui.json"])
+def test_post_prompt_runs_and_history_holds_frames_equal_to_the_direct_request(served, direct_frames, name):
+    import numpy as np
+    from PIL import Image
+    server, _ = served
+    prompt = json.loads((API_FILE.parent / name).read_text())   # a UI export is accepted as well
+    r = server.client.post("/prompt", json={"prompt": prompt, "client_id": "test"})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["node_errors"] == {} and isinstance(body["number"], int) and body["prompt_id"]
@@ -102,9 +109,7 @@ def test_post_prompt_runs_and_history_holds_frames_equal_to_the_direct_request(s
     assert [i["filename"] for i in images] == [f"frame_{k:05d}.png" for k in range(5)]
     got = np.stack([np.asarray(Image.open(io_bytes(server.client.get("/view", params=i).content)))
                     for i in images])
-    engine = Engine.from_checkpoint(model)
-    want = engine.generate_video(direct_request(engine, CASES[0].settings)).frames.numpy()
-    assert got.shape == want.shape and (got == want).all()
+    assert got.shape == direct_frames.shape and (got == direct_frames).all()
 
 
 def io_bytes(data: bytes):
@@ -124,9 +129,16 @@ def test_api_aliases_object_info_and_queue(served):
         "input_order"]["required"] == ["width", "height", "length", "batch_size"]
     q = server.client.get("/api/queue").json()
     assert set(q) == {"queue_running", "queue_pending"}
-    r = server.client.post("/api/prompt", json={"prompt": _api_prompt()})
+    first = server.client.post("/api/prompt", json={"prompt": _api_prompt()}).json()["prompt_id"]
+    assert server.history(first)["status"]["status_str"] == "success"
+    reseeded = _api_prompt()
+    reseeded["3"]["inputs"]["seed"] = 1234
+    r = server.client.post("/api/prompt", json={"prompt": reseeded})
     assert r.status_code == 200
-    assert server.history(r.json()["prompt_id"])["status"]["status_str"] == "success"
+    item = server.history(r.json()["prompt_id"])
+    assert item["status"]["status_str"] == "success"
+    cached = next(m[1]["nodes"] for m in item["status"]["messages"] if m[0] == "execution_cached")
+    assert cached == ["6", "7"]   # the text nodes: their keys hold no seed
     assert server.client.get("/api/history/no-such-id").json() == {}
 
 
