@@ -2,6 +2,7 @@
 
     fvconvert wan --from diffusers <pipeline root> OUT      model_index.json + transformer/ [transformer_2/]
                                                              text_encoder/ vae/ tokenizer/ scheduler/
+                                                             [image_encoder/ image_processor/] (2.1 I2V: required)
     fvconvert cosmos3 --from diffusers <pipeline root> OUT  model_index.json + transformer/ vae/ (a wan VAE)
                                                              [sound_tokenizer/] tokenizer/ (from text_tokenizer/)
                                                              scheduler/
@@ -42,18 +43,19 @@ from manifests.errors import ManifestError
 PIPELINE = "pipeline"
 # `--from NAME` aliases: the formats NAME may mean; detection picks one by the source's config / keys
 ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
-    "wan": {"diffusers": ("diffusers", "diffusers-transformer", "transformers-umt5"),
-            "transformers": ("transformers-umt5",),
+    "wan": {"diffusers": ("diffusers", "diffusers-transformer", "transformers-umt5", "transformers-clip"),
+            "transformers": ("transformers-umt5", "transformers-clip"),
             "original": ("original", "original-dit", "original-umt5")},
 }
 WAN_PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"}
 WAN_COMPONENTS = {"transformer": ("wan", "diffusers-transformer"), "transformer_2": ("wan", "diffusers-transformer"),
-                  "text_encoder": ("wan", "transformers-umt5"), "vae": ("wan", "diffusers")}
+                  "text_encoder": ("wan", "transformers-umt5"), "vae": ("wan", "diffusers"),
+                  "image_encoder": ("wan", "transformers-clip")}       # 2.1 I2V: transformers CLIPVisionModel
 WAN_ASSETS = {"tokenizer": "tokenizer", "scheduler": "scheduler"}
-WAN_NOT_CONVERTED = {
-    "image_encoder": "the CLIP image encoder is not part of the canonical wan model (requests pass image_embeds)",
-    "image_processor": "CLIP image preprocessing is not part of the canonical wan model",
-}
+# copied verbatim when the pipeline lists them; 2.1 I2V's CLIPImageProcessor config is also read into the model config
+WAN_OPTIONAL_ASSETS = {"image_processor": "image_processor"}
+WAN_NOT_CONVERTED: dict[str, str] = {}
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
 SCHEDULERS = {"UniPCMultistepScheduler": ("unipc", "flow_shift"), "FlowMatchEulerDiscreteScheduler": ("euler", "shift")}
 
 
@@ -168,6 +170,41 @@ class PipelineReport:
         return d
 
 
+def _listed(index: dict, name: str) -> bool:
+    entry = index.get(name)
+    return isinstance(entry, list) and entry not in ([None, None], [])
+
+
+def _wan_precheck(index: dict, root: Path) -> None:
+    """A Wan 2.1 I2V root (its DiT has an image branch) must hold the CLIP image encoder and its processor: the model
+    computes the image embeddings from each request's image with them (one error naming what is missing)."""
+    try:
+        image_dim = json.loads((root / "transformer" / "config.json").read_text()).get("image_dim")
+    except (OSError, ValueError, AttributeError):
+        return      # the transformer's own conversion says what is wrong with it
+    if image_dim is None:
+        return
+    lacking = [f"{name}/ ({what})" for name, what, need in (
+        ("image_encoder", "a transformers CLIPVisionModel", "config.json"),
+        ("image_processor", "a CLIPImageProcessor", PREPROCESSOR_CONFIG))
+        if not (_listed(index, name) and (root / name / need).is_file())]
+    if lacking:
+        raise ConversionError(f"{root}: a Wan 2.1 I2V pipeline (its transformer has an image branch, image_dim "
+                              f"{image_dim}) needs {' and '.join(lacking)}: the model computes each request's image "
+                              f"embeddings with them; convert the complete diffusers pipeline root")
+
+
+def _wan_image_processor(index: dict, root: Path) -> Any:
+    from manifests.wan.clip import CLIPImageProcessorConfig
+    if not _listed(index, "image_processor"):
+        return None
+    path = root / "image_processor" / PREPROCESSOR_CONFIG
+    try:
+        return CLIPImageProcessorConfig.from_preprocessor_config(_json(path, "image processor config"))
+    except ManifestError as e:
+        raise ConversionError(f"{path}: {e}") from None
+
+
 def _wan_model_config(index: dict, root: Path, cfgs: dict[str, Any], variant: str | None) -> tuple[Any, str]:
     from manifests.wan.model import WanModelConfig, load_model_variant
 
@@ -193,7 +230,8 @@ def _wan_model_config(index: dict, root: Path, cfgs: dict[str, Any], variant: st
             # not in the pipeline files (a __call__ argument, default 512): from --variant when given
             max_sequence_length=base.max_sequence_length if base else 512,
             num_train_timesteps=int(sched.get("num_train_timesteps", 1000)),
-            flow_shift=float(sched.get(shift_field, 1.0)), solver=solver).validate()
+            flow_shift=float(sched.get(shift_field, 1.0)), solver=solver,
+            image_encoder=cfgs.get("image_encoder"), image_processor=_wan_image_processor(index, root)).validate()
     except ManifestError as e:
         raise ConversionError(f"{root}: the pipeline does not make a valid wan model: {e}") from None
     if base is not None and base != cfg:
@@ -244,6 +282,8 @@ class PipelineSpec:
     not_converted: dict[str, str]                 # entries deliberately left out -> why
     model_config: Callable[..., tuple[Any, str]]  # (model_index, root, {entry: config}, variant) -> (config, class)
     variants: Callable[[], list[str]]             # what --variant may name
+    optional_assets: dict[str, str] = field(default_factory=dict)   # copied verbatim when the pipeline lists them
+    precheck: Callable[[dict, Path], None] = lambda index, root: None  # (model_index, root): refuse before planning
 
 
 def _wan_variants() -> list[str]:
@@ -258,7 +298,7 @@ def _cosmos3_variants() -> list[str]:
 
 PIPELINE_FAMILIES: dict[str, PipelineSpec] = {
     "wan": PipelineSpec(WAN_COMPONENTS, ("transformer", "text_encoder", "vae"), WAN_ASSETS, WAN_NOT_CONVERTED,
-                        _wan_model_config, _wan_variants),
+                        _wan_model_config, _wan_variants, WAN_OPTIONAL_ASSETS, _wan_precheck),
     "cosmos3": PipelineSpec(COSMOS3_COMPONENTS, ("transformer", "vae"), COSMOS3_ASSETS, COSMOS3_NOT_CONVERTED,
                             _cosmos3_model_config, _cosmos3_variants),
 }
@@ -288,6 +328,8 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
         raise ConversionError(f"{family}: whole-pipeline conversion is not defined (known: {', '.join(PIPELINE_FAMILIES)})")
     check_output(src, out, force)
     index = _json(src / MODEL_INDEX, "pipeline model_index.json")
+    spec.precheck(index, src)
+    assets_here = {**spec.assets, **{e: n for e, n in spec.optional_assets.items() if _listed(index, e)}}
     present: dict[str, str] = {}
     not_converted: dict[str, str] = {}
     for name, entry in index.items():
@@ -299,13 +341,13 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
             present[name] = spec.components[name]
         elif name in spec.not_converted:
             not_converted[name] = spec.not_converted[name]
-        elif name not in spec.assets:
+        elif name not in spec.assets and name not in spec.optional_assets:
             raise ConversionError(f"{src / MODEL_INDEX}: pipeline entry {name!r} ({entry}) is not a {family} component "
                                   f"this converter knows ({', '.join([*spec.components, *spec.assets])})")
     lacking = [n for n in spec.required if n not in present]
     if lacking:
         raise ConversionError(f"{src / MODEL_INDEX}: the pipeline lacks component(s) {', '.join(lacking)}")
-    for name in [*present, *spec.assets]:
+    for name in [*present, *assets_here]:
         if not (src / name).is_dir():
             raise ConversionError(f"{src / name}: folder of pipeline entry {name!r} is missing")
 
@@ -331,7 +373,7 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
                     max_shard_bytes=max_shard_bytes, say=say, progress_every=None, progress_update=None, t0=time.time(),
                     missing_post_check="not run")
             assets: dict[str, list[dict]] = {}
-            for entry, name in spec.assets.items():
+            for entry, name in assets_here.items():
                 (tmp / name).mkdir()
                 files = []
                 for f in sorted((src / entry).iterdir()):

@@ -102,6 +102,9 @@ def make_pipeline(root: Path, variant: str, seed: int = 0, mutate=None) -> dict[
             "vae": random_state_dict(canonical_key_shapes(cfg.vae), seed + 2)}
     if cfg.dit_2 is not None:
         want["transformer_2"] = random_state_dict(dit_key_shapes(cfg.dit_2), seed + 3)
+    if cfg.image_encoder is not None:   # 2.1 I2V: the CLIP image encoder (transformers 4.x names: vision_model.)
+        from manifests.wan.clip import clip_vision_key_shapes
+        want["image_encoder"] = random_state_dict(clip_vision_key_shapes(cfg.image_encoder), seed + 4)
     src = {k: dict(v) for k, v in want.items()}
     src["text_encoder"]["encoder.embed_tokens.weight"] = src["text_encoder"]["shared.weight"].clone()  # tied (upstream)
     if mutate:
@@ -111,6 +114,14 @@ def make_pipeline(root: Path, variant: str, seed: int = 0, mutate=None) -> dict[
             _write(root / name, getattr(cfg, "dit" if name == "transformer" else "dit_2").to_diffusers_config(),
                    src[name], "diffusion_pytorch_model.safetensors")
     _write(root / "text_encoder", cfg.text_encoder.to_transformers_config(), src["text_encoder"], "model.safetensors")
+    if "image_encoder" in src:
+        _write(root / "image_encoder", {"model_type": "clip_vision_model", **cfg.image_encoder.to_transformers_config()},
+               {f"vision_model.{k}": v for k, v in src["image_encoder"].items()}, "model.safetensors")
+        p = cfg.image_processor
+        (root / "image_processor").mkdir()
+        (root / "image_processor" / "preprocessor_config.json").write_text(json.dumps(
+            {"size": {"shortest_edge": p.shortest_edge}, "crop_size": {"height": p.crop_height, "width": p.crop_width},
+             "image_mean": list(p.image_mean), "image_std": list(p.image_std), "resample": p.resample}))
     _write(root / "vae", {"_class_name": "AutoencoderKLWan", **cfg.vae.to_diffusers_config()}, src["vae"],
            "diffusion_pytorch_model.safetensors")
     (root / "tokenizer").mkdir()
@@ -126,8 +137,9 @@ def make_pipeline(root: Path, variant: str, seed: int = 0, mutate=None) -> dict[
              "transformer": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"],
              "transformer_2": ["diffusers", "WanTransformer3DModel"] if cfg.dit_2 else [None, None],
              "boundary_ratio": cfg.boundary_ratio, "expand_timesteps": cfg.expand_timesteps}
-    if cfg.task == "i2v":
+    if cfg.image_encoder is not None:
         index["image_encoder"] = ["transformers", "CLIPVisionModel"]
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
     (root / "model_index.json").write_text(json.dumps(index))
     return want
 
@@ -189,7 +201,7 @@ def test_pipeline_root_converts_into_model_directory(tmp_path, capsys):
 
 
 def test_i2v_pipeline_with_post_checks(tmp_path, capsys):
-    """i2v task from the pipeline class; the CLIP image encoder is listed as not converted; the VAE post-check
+    """i2v task from the pipeline class; the CLIP image encoder converted (vision_model. stripped); the VAE post-check
     runs (C0), the DiT / UMT5 ones are recorded as not run until parity wires them."""
     want = make_pipeline(tmp_path / "src", I2V)
     out = tmp_path / "out"
@@ -197,7 +209,7 @@ def test_i2v_pipeline_with_post_checks(tmp_path, capsys):
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     rep = json.loads((out / "conversion_report.json").read_text())
-    assert rep["config"]["task"] == "i2v" and "image_encoder" in rep["not_converted"]
+    assert rep["config"]["task"] == "i2v" and not rep["not_converted"] and "image_encoder" in rep["components"]
     assert rep["components"]["vae"]["parity"]["status"] == "pass"
     for name in ("transformer", "text_encoder"):
         p = rep["components"][name]["parity"]
@@ -207,6 +219,7 @@ def test_i2v_pipeline_with_post_checks(tmp_path, capsys):
     ckpt = read_checkpoint(out)
     assert ckpt.typed_config() == load_model_variant(I2V)
     assert_equal_state(load_state(ckpt, component="transformer"), want["transformer"])
+    assert_equal_state(load_state(ckpt, component="image_encoder"), want["image_encoder"])
 
 
 def test_single_component_folders_detected(tmp_path):

@@ -9,6 +9,10 @@ the noise drawn by the pipeline from ``generator=torch.Generator().manual_seed(s
   * transformer (+ transformer_2): ``WanTransformer3DModel`` with the manifest variant's DiT config;
   * text_encoder: transformers ``UMT5EncoderModel`` with the variant's UMT5 config;
   * vae: ``AutoencoderKLWan`` with the variant's VAE config (it encodes the image for i2v / ti2v and decodes);
+  * image_encoder (``pipe_i2v_image``): transformers ``CLIPVisionModel`` with the variant's CLIP config and
+    ``image_processor``: ``CLIPImageProcessorPil``: the pipeline's own ``encode_image`` runs on the PIL image
+    ``image_rgb`` (the original, before the VAE's resize to height x width); cases with stored ``image_embeds``
+    use the variant without its image encoder (a stub returns the stored embeddings);
   * scheduler: ``UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift)``
     (the Wan release config) or ``FlowMatchEulerDiscreteScheduler(shift)``.
 
@@ -63,6 +67,13 @@ CASES: dict[str, dict[str, Any]] = {
                      image_tokens=3,
                      description="Wan2.1 I2V: image (+ zero frames) VAE-encoded, 4-channel mask, image_embeds "
                                  "[3, 8] through the image branch, text padded to 512, CFG 5.0, 3 steps"),
+    "pipe_i2v_image": dict(video=False, variant="tiny-2.1-i2v", seed=9114, solver="unipc", flow_shift=5.0,
+                           num_frames=5, height=32, width=32, steps=3, guidance=5.0, guidance_2=None, text_len=6,
+                           negative_len=4, image_rgb=(40, 30),
+                           description="Wan2.1 I2V from an image: a 40x30 RGB image (PIL) -> LANCZOS to 32x32 for "
+                                       "the VAE condition and, unresized, through CLIPImageProcessor (shortest "
+                                       "edge 28, centre crop) + CLIPVisionModel hidden_states[-2] [17, 8] for the "
+                                       "image branch; CFG 5.0, 3 steps"),
     "pipe_ti2v": dict(variant="tiny-2.2-ti2v", seed=9105, solver="unipc", flow_shift=5.0, num_frames=5, height=32,
                       width=64, steps=3, guidance=3.0, guidance_2=None, text_len=6, negative_len=8, image=True,
                       description="Wan2.2 TI2V: expand_timesteps (per-token timesteps, 0 on latent frame 0), "
@@ -179,7 +190,21 @@ def build_components(cfg: WanModelConfig, seed: int) -> dict[str, torch.nn.Modul
     vae = AutoencoderKLWan(**vd).eval()
     vae_weights_rule(vae, seed + 200)
     out["vae"] = vae
+    if cfg.image_encoder is not None:   # 2.1 I2V: transformers CLIPVisionModel (its layer norms near 1)
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+        torch.manual_seed(seed + 300)
+        enc = CLIPVisionModel(CLIPVisionConfig(**cfg.image_encoder.to_transformers_config())).eval()
+        randomize_weights(enc, seed + 300)
+        out["image_encoder"] = enc
     return out
+
+
+def make_image_processor(cfg: WanModelConfig):
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    p = cfg.image_processor
+    return CLIPImageProcessorPil(size={"shortest_edge": p.shortest_edge},
+                                 crop_size={"height": p.crop_height, "width": p.crop_width},
+                                 image_mean=list(p.image_mean), image_std=list(p.image_std), resample=p.resample)
 
 
 def load_components(case_dir: Path) -> dict[str, torch.nn.Module]:
@@ -191,6 +216,9 @@ def load_components(case_dir: Path) -> dict[str, torch.nn.Module]:
         out["transformer_2"] = WanTransformer3DModel.from_pretrained(up / "transformer_2")
     out["text_encoder"] = UMT5EncoderModel.from_pretrained(up / "text_encoder")
     out["vae"] = AutoencoderKLWan.from_pretrained(up / "vae")
+    if (up / "image_encoder").is_dir():
+        from transformers import CLIPVisionModel
+        out["image_encoder"] = CLIPVisionModel.from_pretrained(up / "image_encoder")
     for m in out.values():
         m.eval()
         for t in list(m.parameters()) + list(m.buffers()):
@@ -253,6 +281,11 @@ def make_inputs(case: dict[str, Any], cfg: WanModelConfig) -> dict[str, torch.Te
         inp["image"] = (torch.rand(3, case["height"], case["width"], generator=g) * 2 - 1).contiguous()
     if case.get("image_tokens"):
         inp["image_embeds"] = torch.randn(case["image_tokens"], cfg.dit.image_dim, generator=g)
+    if case.get("image_rgb"):   # smooth structure plus noise (so both resizes matter), uint8 [H, W, 3]
+        h, w = case["image_rgb"]
+        yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        base = torch.stack([128 + 100 * torch.sin(xx / 5 + c) * torch.cos(yy / 7 - c) for c in range(3)], -1)
+        inp["image_rgb"] = (base + 20 * torch.randn(h, w, 3, generator=g)).round().clamp(0, 255).to(torch.uint8)
     return inp
 
 
@@ -264,7 +297,7 @@ def run_upstream(case: dict[str, Any], cfg: WanModelConfig, comps: dict[str, tor
     kw = dict(tokenizer=tok, text_encoder=comps["text_encoder"], vae=comps["vae"], scheduler=sched,
               transformer=comps["transformer"], transformer_2=comps.get("transformer_2"),
               boundary_ratio=cfg.boundary_ratio, expand_timesteps=cfg.expand_timesteps)
-    with_image = "image" in inp
+    with_image = "image" in inp or "image_rgb" in inp
     import diffusers.pipelines.wan.pipeline_wan_i2v as i2v_module
     if not hasattr(i2v_module, "ftfy"):  # i2v's basic_clean calls ftfy unguarded (upstream); identity on ASCII
         i2v_module.ftfy = SimpleNamespace(fix_text=lambda text: text)
@@ -276,7 +309,8 @@ def run_upstream(case: dict[str, Any], cfg: WanModelConfig, comps: dict[str, tor
         if name in comps:
             hooks.append(comps[name].register_forward_pre_hook(
                 lambda m, a, k, e=expert: calls.append({"expert": e, **{n: k[n].clone() for n in (
-                    "hidden_states", "timestep", "encoder_hidden_states")}}), with_kwargs=True))
+                    "hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image")
+                    if k.get(n) is not None}}), with_kwargs=True))
     trajectory: list[torch.Tensor] = []
     decoded: dict[str, torch.Tensor] = {}
     vae_decode = comps["vae"].decode
@@ -297,7 +331,11 @@ def run_upstream(case: dict[str, Any], cfg: WanModelConfig, comps: dict[str, tor
                 guidance_scale_2=case["guidance_2"], generator=torch.Generator().manual_seed(case["seed"]),
                 output_type=output_type, callback_on_step_end=on_step_end,
                 max_sequence_length=cfg.max_sequence_length)
-    if with_image:
+    if "image_rgb" in inp:  # a PIL image: the pipeline's own CLIP encode_image and VideoProcessor resize
+        from PIL import Image
+        args["image"] = Image.fromarray(inp["image_rgb"].numpy())
+        pipe.image_encoder, pipe.image_processor = comps["image_encoder"], make_image_processor(cfg)
+    elif with_image:
         args["image"] = inp["image"][None]  # [-1, 1] tensor: preprocess keeps it as is (no resize, no normalise)
         if "image_embeds" in inp:  # through encode_image's hidden_states[-2]
             pipe.image_encoder, pipe.image_processor = StoredImageEncoder(inp["image_embeds"]), StoredImageProcessor()
@@ -346,8 +384,10 @@ def outputs_of(case: dict[str, Any], cfg: WanModelConfig, comps, inp) -> dict[st
            "text_embeds": real_rows(cond_calls[0]["encoder_hidden_states"][0], len(inp["text_ids"]))}
     if per_step == 2:
         out["negative_text_embeds"] = real_rows(calls[1]["encoder_hidden_states"][0], len(inp["negative_text_ids"]))
-    if "image" in inp:
+    if "image" in inp or "image_rgb" in inp:
         out["model_input_0"] = cond_calls[0]["hidden_states"].contiguous()  # first DiT input (with the condition)
+    if "image_rgb" in inp:   # what the image branch was given: encode_image's hidden_states[-2]
+        out["image_embeds"] = cond_calls[0]["encoder_hidden_states_image"][0].contiguous()
     if case.get("video"):  # decoded frames (a second run, output_type="pt"): pins WanReferencePipeline.decode
         r2 = run_upstream(case, cfg, comps, inp, "pt")
         assert torch.equal(torch.stack(r2["trajectory"]), out["trajectory"]), "second run differs"
@@ -393,6 +433,9 @@ NO_CFG_NEGATIVE = ("guidance_scale <= 1: upstream runs no CFG and never encodes 
 def case_config(case: dict[str, Any]) -> WanModelConfig:
     """The variant's model config, with the case's own boundary_ratio when it names one."""
     cfg = load_model_variant(case["variant"])
+    if not case.get("image_rgb") and cfg.image_encoder is not None:   # stored image_embeds: no image encoder
+        cfg = WanModelConfig.from_dict({k: v for k, v in cfg.to_dict().items()
+                                        if k not in ("image_encoder", "image_processor")})
     if "boundary_ratio" in case:
         cfg = WanModelConfig.from_dict({**cfg.to_dict(), "boundary_ratio": case["boundary_ratio"]})
     return cfg
@@ -416,9 +459,12 @@ def write_case(out_root: Path, name: str) -> Path:
     for comp, m in comps.items():
         m.save_pretrained(tmp / "upstream" / comp, safe_serialization=True)
     make_scheduler(case, cfg).save_pretrained(tmp / "upstream" / "scheduler")
+    if cfg.image_processor is not None:
+        make_image_processor(cfg).save_pretrained(tmp / "upstream" / "image_processor")
     save_file({k: v.contiguous() for k, v in inp.items()}, tmp / "inputs.safetensors")
     save_file(outs, tmp / "outputs.safetensors")
-    (tmp / "case.json").write_text(json.dumps(case_json(name, case, cfg, "image" in inp), indent=1) + "\n")
+    (tmp / "case.json").write_text(json.dumps(case_json(name, case, cfg, "image" in inp or "image_rgb" in inp),
+                                              indent=1) + "\n")
     shutil.rmtree(d, ignore_errors=True)
     tmp.rename(d)
     size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())

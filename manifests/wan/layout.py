@@ -1,6 +1,6 @@
 """wan's canonical layouts (discovered by manifests/layouts.py): the Wan 2.1 / 2.2 VAE (the family's default
 component: it was wan's only converted component before components were recorded), the DiT, the UMT5 text encoder,
-and the whole-model directory (DiT expert(s) + text encoder + VAE)."""
+2.1 I2V's CLIP image encoder, and the whole-model directory (DiT expert(s) + text encoder + VAE [+ image encoder])."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 from typing import Any, Callable
 
 from manifests.layouts import ComponentLayout, FamilyLayout, ModelLayout
+from manifests.wan import clip
 from manifests.wan import config as wc
 from manifests.wan import dit
 from manifests.wan import keys as wk
@@ -44,6 +45,24 @@ def umt5_from_config(c: dict) -> Any:
     return dit.UMT5Config.from_dict({k: v for k, v in c.items() if k != "description"})
 
 
+def clip_from_config(c: dict) -> Any:
+    """An image-encoder config.json -> CLIPVisionConfig: a transformers CLIPVisionConfig (model_type
+    clip_vision_model, or a CLIPConfig's vision_config), else our own canonical config (CLIPVisionConfig.to_dict)."""
+    if c.get("model_type") is not None or "architectures" in c:
+        if c.get("model_type") not in (None, "clip_vision_model", "clip"):
+            raise ValueError(f"model_type is {c.get('model_type')!r}, not the clip_vision_model a Wan 2.1 I2V image "
+                             f"encoder needs")
+        return clip.CLIPVisionConfig.from_transformers_config(c)
+    return clip.CLIPVisionConfig.from_dict({k: v for k, v in c.items() if k != "description"})
+
+
+def _clip_variant(name: str) -> Any:
+    if name not in clip.CLIP_VARIANTS:
+        from manifests.errors import ManifestError
+        raise ManifestError(f"wan image_encoder: unknown variant {name!r}; known: {', '.join(sorted(clip.CLIP_VARIANTS))}")
+    return clip.CLIP_VARIANTS[name]
+
+
 def _model_variant(pick: Callable[[Any], Any]) -> Callable[[str], Any]:
     """--variant for a DiT / UMT5 component names a whole wan model variant (manifests/wan/models/)."""
     def load(name: str) -> Any:
@@ -67,6 +86,8 @@ def _model_components(cfg) -> dict[str, tuple[str, Any]]:
            "vae": ("vae", cfg.vae)}
     if cfg.dit_2 is not None:
         out["transformer_2"] = ("transformer", cfg.dit_2)
+    if cfg.image_encoder is not None:
+        out["image_encoder"] = ("image_encoder", cfg.image_encoder)
     return out
 
 
@@ -87,6 +108,14 @@ LAYOUT = FamilyLayout(
                         reader_drops_description=True, load_variant=_model_variant(lambda m: m.text_encoder),
                         list_variants=_model_variants, config_mappings={"wan_umt5_config": umt5_from_config},
                         layer_key=re.compile(r"^encoder\.block\.(\d+)\."), num_layers_field="num_layers"),
+        # 2.1 I2V's CLIP vision tower (transformers CLIPVisionModel 5.x names, manifests/wan/clip.py)
+        ComponentLayout("wan", "image_encoder", clip.CLIPVisionConfig.from_dict, clip.clip_vision_key_shapes,
+                        reader_drops_description=True, load_variant=_clip_variant,
+                        list_variants=lambda: sorted(clip.CLIP_VARIANTS),
+                        config_mappings={"wan_clip_vision_config": clip_from_config},
+                        layer_key=re.compile(r"^encoder\.layers\.(\d+)\."), num_layers_field="num_layers",
+                        gains=("layer_norm1.weight", "layer_norm2.weight", "pre_layrnorm.weight",
+                               "post_layernorm.weight")),
     ),
     model=ModelLayout(_model_config, _model_components),
 )

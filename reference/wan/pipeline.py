@@ -8,6 +8,8 @@ Reproduces diffusers 0.42.1 `WanPipeline.__call__` (t2v, and ti2v without an ima
     schedule  UniPC (flow, `flow_shift`) or FlowMatch Euler (static `shift`)
     each step pick the expert (two-expert models), run cond (+ uncond when guidance > 1), combine, solver step
     i2v       DiT input = [noisy latents, 4-channel first-frame mask, VAE latents of (image, zeros...)]
+    image     2.1 I2V: `encode_image(image)` = the CLIP encoder's hidden_states[-2] of the processor's pixels of
+              the ORIGINAL image (WanImageToVideoPipeline.encode_image runs before the VAE's resize), fp32
     ti2v      per-token timesteps from a first-frame mask; with an image, latent frame 0 is the image's latents
 """
 
@@ -24,6 +26,7 @@ from reference.solvers.euler import FlowMatchEuler
 from reference.solvers.guidance import cfg_combine
 from reference.solvers.sde import FlowSDE
 from reference.solvers.unipc import UniPCFlow
+from reference.wan.image_encoder import load_clip_vision, preprocess_image
 from reference.wan.text_encoder import encode_prompts, load_umt5
 from reference.wan.transformer import load_wan_transformer
 from reference.wan.vae import load_vae
@@ -64,6 +67,17 @@ class WanReferencePipeline:
         self.text_encoder = load_umt5(cfg.text_encoder, weights["text_encoder"]).eval()
         # the VAE is only needed for image conditioning and decoding; a t2v loop runs without it
         self.vae = load_vae(cfg.vae, weights["vae"]) if weights.get("vae") is not None else None
+        # 2.1 I2V's CLIP image encoder, when the model has one and its weights are given (else: explicit image_embeds)
+        self.image_encoder = load_clip_vision(cfg.image_encoder, weights["image_encoder"]) \
+            if cfg.has_image_encoder and weights.get("image_encoder") is not None else None
+
+    @torch.no_grad()
+    def encode_image(self, image) -> torch.Tensor:
+        """WanImageToVideoPipeline.encode_image for one image (PIL or uint8 [H, W, 3]): [N, image_dim] float32."""
+        if self.image_encoder is None:
+            raise ValueError("wan reference pipeline: encoding an image needs the 'image_encoder' weights")
+        pixels = preprocess_image(image, self.cfg.image_processor)
+        return self.image_encoder(pixels)[0].to(torch.float32)   # .to(transformer_dtype): fp32 here (upstream)
 
     # ---------------------------------------------------------------- pieces of the loop
 

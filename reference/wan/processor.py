@@ -13,8 +13,9 @@ Reproduces diffusers 0.42.1 `WanPipeline` / `WanImageToVideoPipeline` up to (not
                taken as [-1, 1] and only resized
     CLIP       `CLIPImageProcessor` (transformers' PIL backend, what it falls back to without torchvision):
                RGB, shortest edge -> 224 (BICUBIC, PIL), centre crop 224, x / 255 (float64 then float32),
-               (x - mean) / std in float32; the CLIP vision model itself is not here: the caller passes
-               `image_embeds` (its penultimate hidden states) to `build_request`
+               (x - mean) / std in float32; the CLIP vision model itself is not here: `build_request` takes
+               `image_embeds`, or `image_encoder` (e.g. `WanReferencePipeline.encode_image`), which it runs on
+               the ORIGINAL image (upstream encode_image runs before the VAE's resize to height x width)
 
 ftfy: upstream calls `ftfy.fix_text` unconditionally (and fails with NameError when ftfy is not installed). Here
 ftfy is used when it is installed (exactly upstream); without it `fix_text` is the identity, so prompts ftfy would
@@ -145,6 +146,26 @@ def clip_pixels(image: Any, size: int = 224, crop: int = 224, mean=CLIP_MEAN, st
     return torch.from_numpy(np.ascontiguousarray(x))[None]
 
 
+def clip_source(image: Any, signed: bool | None = None) -> Any:
+    """What the CLIP preprocessing is given: a PIL image or uint8 HWC array as is; a float [3, H, W] tensor (or float
+    HWC array) is taken as an 8-bit image and rounded back to uint8 (fvgen / the server decode uploads to
+    u / 127.5 - 1), read as [-1, 1] when `signed` (None: when it has a negative value, else [0, 1])."""
+    if _is_pil(image) or (isinstance(image, np.ndarray) and image.dtype == np.uint8):
+        return image
+    if isinstance(image, np.ndarray) and image.dtype.kind == "f" and image.ndim == 3:
+        x = torch.from_numpy(image).permute(2, 0, 1)
+    elif isinstance(image, torch.Tensor) and image.is_floating_point():
+        x = image[0] if image.ndim == 4 and image.shape[0] == 1 else image
+    else:
+        raise ProcessorError("image must be a PIL image, a uint8 HWC array or one float [3, H, W] RGB image")
+    if x.ndim != 3 or x.shape[0] != 3:
+        raise ProcessorError(f"image must be one RGB image, got shape {tuple(x.shape)}")
+    x = x.double()
+    if (x.min() < 0) if signed is None else signed:
+        x = (x + 1) / 2
+    return (x * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
+
+
 class WanProcessor:
     """prompt (+ image) -> WanGenerateRequest, exactly as WanPipeline / WanImageToVideoPipeline prepare them."""
 
@@ -163,9 +184,12 @@ class WanProcessor:
                       num_frames: int = 81, height: int = 480, width: int = 832, steps: int = 50,
                       guidance: float = 5.0, guidance_2: float | None = None, seed: int | None = 0,
                       solver: str | None = None, flow_shift: float | None = None, image_embeds: Any = None,
-                      max_sequence_length: int | None = None) -> WanGenerateRequest:
-        """`image_embeds`: CLIP vision penultimate hidden states [N, image_dim] for Wan2.1 I2V (computed by the
-        caller from `clip_pixels(image)`; no CLIP model runs here)."""
+                      max_sequence_length: int | None = None, image_encoder: Any = None) -> WanGenerateRequest:
+        """`image_embeds`: CLIP vision penultimate hidden states [N, image_dim] for Wan2.1 I2V; without them and
+        with `image_encoder` (image -> [N, image_dim], e.g. WanReferencePipeline.encode_image), the encoder's
+        embeddings of the original image."""
+        if image is not None and image_embeds is None and image_encoder is not None:
+            image_embeds = image_encoder(clip_source(image))
         n = max_sequence_length or self.max_sequence_length
         text = self.tokenize(prompt, n).ids
         negative = self.tokenize(negative_prompt or "", n).ids if guidance > 1.0 else None  # only with CFG (upstream)

@@ -1,4 +1,4 @@
-"""wan on the v2 runtime: the whole model (DiT expert(s) + UMT5 + VAE, `instance.WanModelInstance`) and its loops
+"""wan on the v2 runtime: the whole model (DiT expert(s) + UMT5 + VAE [+ CLIP image encoder], `instance.WanModelInstance`) and its loops
 ("denoise", and the VAE's chunked "vae_decode" / "vae_encode" with typed conv-cache state), as the family entry
 `FAMILY`. The VAE-only variants (`manifests.wan.list_variants()`: tiny-2.1, tiny-2.2, wan2.1, wan2.2) stay usable on
 their own through `load_fast_vae` + the VAE kernels (run them with `optimized.runtime.scheduler.run_request`)."""
@@ -30,10 +30,12 @@ def _random_weights(cfg: WanModelConfig, seed: int) -> dict[str, dict[str, torch
 
 
 def _components(cfg: WanModelConfig) -> tuple[ComponentSpec, ...]:
+    from optimized.models.wan.image_encoder import clip_component
     from optimized.models.wan.instance import component_names
     from optimized.models.wan.spec import dit_component, umt5_component
     specs = {"transformer": lambda: dit_component(cfg.dit), "text_encoder": lambda: umt5_component(cfg.text_encoder),
-             "vae": lambda: vae_component(cfg.vae), "transformer_2": lambda: dit_component(cfg.dit_2, "transformer_2")}
+             "vae": lambda: vae_component(cfg.vae), "transformer_2": lambda: dit_component(cfg.dit_2, "transformer_2"),
+             "image_encoder": lambda: clip_component(cfg.image_encoder)}
     return tuple(specs[name]() for name in component_names(cfg))
 
 
@@ -138,6 +140,7 @@ FAMILY = FamilyEntry(
     processor=_processor,
     media=lambda engine: _media().media(engine),
     request_from_fields=lambda engine, fields: _media().request_from_fields(engine, fields),
+    processor_options=lambda engine: _media().processor_options(engine),
     request_defaults=dict(num_frames=5, height=32, width=32, num_steps=4, guidance_scale=5.0),
     request_cost=lambda engine, request, phases: _media().request_cost(engine, request, phases),
 )

@@ -1,10 +1,14 @@
-"""One resident Wan model: DiT expert(s), UMT5 text encoder and VAE, loaded once and shared by every loop.
+"""One resident Wan model: DiT expert(s), UMT5 text encoder, VAE [and 2.1 I2V's CLIP image encoder], loaded once and
+shared by every loop.
 
 `weights` maps a component name to its canonical state dict (the names `WanReferencePipeline` uses):
     transformer      `dit_key_shapes(cfg.dit)`            -> `dit`    (WanDiTFast)
     transformer_2    `dit_key_shapes(cfg.dit_2)`          -> `dit_2`  (two-expert models only)
     text_encoder     `umt5_key_shapes(cfg.text_encoder)`  -> `text_encoder` (UMT5Fast, content-hash cached)
     vae              `canonical_key_shapes(cfg.vae)`      -> `vae`    (FastWanVAE, fp32 unless asked otherwise)
+    image_encoder    `clip_vision_key_shapes(cfg.image_encoder)` -> `image_encoder` (CLIPVisionFast, content-hash
+                     cached) + `image_processor` (CLIPPixels); only when the config has one (2.1 I2V)
+The image encoder is the last component: adding it left the random weights of the others unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pathlib import Path
 import torch
 
 from manifests.wan import WanModelConfig, canonical_key_shapes, dit_key_shapes, umt5_key_shapes
+from manifests.wan.clip import clip_vision_key_shapes
+from optimized.models.wan.image_encoder import IMAGE_ENCODER, CLIPPixels, CLIPVisionFast
 from optimized.models.wan.parallelize import read_sharded_state
 from optimized.models.wan.text_encoder import UMT5Fast
 from optimized.models.wan.transformer import WanDiTFast
@@ -25,7 +31,8 @@ TRANSFORMER, TRANSFORMER_2, TEXT_ENCODER, VAE = "transformer", "transformer_2", 
 
 
 def component_names(cfg: WanModelConfig) -> tuple[str, ...]:
-    return (TRANSFORMER,) + ((TRANSFORMER_2,) if cfg.two_experts else ()) + (TEXT_ENCODER, VAE)
+    return (TRANSFORMER,) + ((TRANSFORMER_2,) if cfg.two_experts else ()) + (TEXT_ENCODER, VAE) + \
+        ((IMAGE_ENCODER,) if cfg.has_image_encoder else ())
 
 
 def component_key_shapes(cfg: WanModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -33,6 +40,8 @@ def component_key_shapes(cfg: WanModelConfig) -> dict[str, dict[str, tuple[int, 
               VAE: canonical_key_shapes(cfg.vae)}
     if cfg.two_experts:
         shapes[TRANSFORMER_2] = dit_key_shapes(cfg.dit_2)
+    if cfg.has_image_encoder:
+        shapes[IMAGE_ENCODER] = clip_vision_key_shapes(cfg.image_encoder)
     return {name: shapes[name] for name in component_names(cfg)}
 
 
@@ -64,6 +73,19 @@ class WanModelInstance:
         self.text_encoder = UMT5Fast(cfg.text_encoder, weights[TEXT_ENCODER], device, dtype,
                                      weights_version=version(TEXT_ENCODER))
         self.vae: FastWanVAE = load_fast_vae(cfg.vae, weights[VAE], device=str(device), dtype=vae_dtype)
+        self.image_encoder: CLIPVisionFast | None = None
+        self.image_processor: CLIPPixels | None = None
+        if cfg.has_image_encoder:
+            self.image_encoder = CLIPVisionFast(cfg.image_encoder, weights[IMAGE_ENCODER], device, dtype)
+            self.image_processor = CLIPPixels(cfg.image_processor)
+
+    def encode_image(self, images) -> torch.Tensor:
+        """WanImageToVideoPipeline.encode_image: PIL images / uint8 HWC arrays -> the CLIP encoder's penultimate
+        hidden states [B, N, image_dim] (float32, on CPU: what a request's `image_embeds` holds), content-cached."""
+        if self.image_encoder is None:
+            raise ValueError(f"wan {self.cfg.task} model has no image encoder: pass image_embeds")
+        pixels = self.image_processor(images if isinstance(images, (list, tuple)) else [images])
+        return self.image_encoder.encode(pixels).to("cpu", torch.float32)
 
     def memory_components(self):
         """The memory plane's view (optimized/runtime/memory.py): which object holds each component's weights, the

@@ -1,7 +1,9 @@
 """wan's serving hooks (`FamilyEntry.media` / `request_from_fields` / `request_defaults`): the instance's own VAE
 decodes through the engine's "vae_decode" loop (batched across requests) after WanPipeline's de-normalisation
 latents / (1 / std) + mean; clips play at 16 fps (the Wan pipelines' export default); a conditioning image rides in
-the request (the denoise loop encodes it)."""
+the request (the denoise loop encodes it). A Wan 2.1 I2V model with an image encoder computes the request's
+`image_embeds` from the original image (before the resize) with it, through the engine's content-keyed CLIP cache
+(`processor_options` hands the same encoder to the processor)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,28 @@ def request_cost(engine: Any, request: Any, phases: tuple[str, ...]) -> RequestC
     return RequestCost({k: v for k, v in out.items() if k in phases}, ("num_frames", "height", "width"))
 
 
+def image_encoder_of(engine: Any):
+    """images -> [B, N, image_dim]: the model's CLIP image encoder; None when its DiT has no image branch. A DiT with
+    an image branch but no encoder (a model directory converted without image_encoder/) refuses an image."""
+    model = engine.model
+    if not model.cfg.dit.has_image_branch:
+        return None
+    if getattr(model, "image_encoder", None) is not None:
+        return model.encode_image
+
+    def missing(images):
+        raise ServingError("image: this Wan 2.1 I2V model has no image encoder (its model directory was converted "
+                           "without the pipeline's image_encoder/ and image_processor/): reconvert the pipeline root "
+                           "with fvconvert wan --from diffusers, or pass image_embeds in a request")
+    return missing
+
+
+def processor_options(engine: Any) -> dict:
+    """What the processor's build_request takes from the loaded model: its image encoder (2.1 I2V)."""
+    encode = image_encoder_of(engine)
+    return {} if encode is None else {"encode_image": encode}
+
+
 def request_from_fields(engine: Any, f: RequestFields) -> WanGenerateRequest:
     f = f.filled(dict(engine.family.request_defaults))   # the entry says what an unset field means
     cfg = engine.model.cfg
@@ -68,11 +92,16 @@ def request_from_fields(engine: Any, f: RequestFields) -> WanGenerateRequest:
     image = f.image if cfg.task in ("i2v", "ti2v") else None
     if f.image is not None and image is None:
         raise ServingError(f"image: this wan {cfg.task} model takes no image")
+    embeds = None
+    encode = image_encoder_of(engine)
+    if image is not None and encode is not None:   # the upload as given, before the resize (upstream encode_image)
+        from optimized.models.wan.processor import WanProcessor
+        embeds = encode([WanProcessor.clip_source(image, signed=True)])[0]   # fields carry [-1, 1] images
     if image is not None and tuple(image.shape[1:]) != (f.height, f.width):
         image = resize_image(image, f.height, f.width)
     return WanGenerateRequest(text_ids=f.text_ids, negative_text_ids=negative, num_frames=f.num_frames,
                               height=f.height, width=f.width, num_steps=f.num_steps,
-                              guidance_scale=float(f.guidance_scale), seed=f.seed, image=image)
+                              guidance_scale=float(f.guidance_scale), seed=f.seed, image=image, image_embeds=embeds)
 
 
 def media(engine: Any) -> MediaChain:
@@ -87,4 +116,4 @@ def media(engine: Any) -> MediaChain:
     return MediaChain(vae, engine.loop("vae_decode"), None, decode_request, None, None, fps=lambda r: FPS)
 
 
-__all__ = ["FPS", "media", "request_cost", "request_from_fields", "video_phase_bytes"]
+__all__ = ["FPS", "image_encoder_of", "media", "processor_options", "request_cost", "request_from_fields", "video_phase_bytes"]

@@ -2,8 +2,10 @@
 `WanGenerateRequest`. Contract: diffusers 0.42.1 WanPipeline / WanImageToVideoPipeline text and image preparation
 (golden/README.md, probe `wan.processor`). Runtime needs `tokenizers` (the `text` extra) and Pillow; never
 transformers. ftfy: used when installed (exact); otherwise no text fixing (upstream would fail without it).
-CLIP: the pixels of transformers' PIL-backend CLIPImageProcessor; the CLIP vision model is the caller's (the
-request takes its `image_embeds`).
+CLIP: the pixels of transformers' PIL-backend CLIPImageProcessor. A model with an image encoder (2.1 I2V) computes
+`image_embeds` from the ORIGINAL image (before the VAE's resize to height x width), as WanImageToVideoPipeline
+.encode_image does: `build_request(..., encode_image=instance.encode_image)` (the family entry's processor_options
+pass the loaded model's); explicit `image_embeds` still win.
 """
 
 from __future__ import annotations
@@ -147,14 +149,42 @@ class WanProcessor:
         t = (t[:, y:y + crop, x:x + crop].double() * (1 / 255)).float()
         return ((t - _CLIP_MEAN) / _CLIP_STD).unsqueeze(0)
 
+    @staticmethod
+    def clip_source(image: Any, signed: bool | None = None):
+        """The image CLIP preprocessing starts from, as a PIL RGB image: PIL / uint8 HWC arrays as given; float
+        tensors / arrays (the 8-bit uploads fvgen and the server decode to x / 127.5 - 1) back to uint8 by rounding,
+        read as [-1, 1] when `signed` (None: when any value is negative, else [0, 1]: the VAE path's rule)."""
+        from PIL import Image
+
+        if hasattr(image, "getbands"):
+            return image
+        if isinstance(image, np.ndarray) and image.dtype == np.uint8:
+            return Image.fromarray(image)
+        if isinstance(image, np.ndarray) and image.dtype.kind == "f":
+            t = torch.from_numpy(image).permute(2, 0, 1) if image.ndim == 3 else None
+        elif isinstance(image, torch.Tensor) and image.is_floating_point():
+            t = image[0] if image.ndim == 4 and image.shape[0] == 1 else image
+        else:
+            t = None
+        if t is None or t.ndim != 3 or t.shape[0] != 3:
+            raise ProcessorError("image must be a PIL image, a uint8 HWC array or one float [3, H, W] RGB image")
+        t = t.detach().to("cpu", torch.float64)
+        unit = (t + 1) / 2 if (bool((t < 0).any()) if signed is None else signed) else t
+        u8 = (unit * 255).round().clamp(0, 255).to(torch.uint8)
+        return Image.fromarray(u8.permute(1, 2, 0).contiguous().numpy())
+
     # ------------------------------------------------------------------ request
 
     def build_request(self, prompt: str, negative_prompt: str | None = None, image: Any = None, *,
                       num_frames: int = 81, height: int = 480, width: int = 832, steps: int = 50,
                       guidance: float = 5.0, guidance_2: float | None = None, seed: int | None = 0,
                       solver: str | None = None, flow_shift: float | None = None, image_embeds: Any = None,
-                      max_sequence_length: int | None = None) -> WanGenerateRequest:
+                      max_sequence_length: int | None = None, encode_image: Any = None) -> WanGenerateRequest:
+        """`encode_image`: the model's CLIP image encoder (images -> [B, N, D]); with it, an image and no
+        `image_embeds` give the request the embeddings of that image (upstream encode_image)."""
         cfg_on = guidance > 1.0
+        if image is not None and image_embeds is None and encode_image is not None:
+            image_embeds = encode_image([self.clip_source(image)])   # the original image, not the VAE's resize
         ids = self.encode([prompt, negative_prompt or ""] if cfg_on else [prompt], max_sequence_length)
         embeds = image_embeds[0] if image_embeds is not None and image_embeds.ndim == 3 else image_embeds
         return WanGenerateRequest(

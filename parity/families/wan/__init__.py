@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from parity.checkpoints import c0_post_check
-from parity.families.wan import c0, c1, c2, c3, c4, clip, common, dit, faults, lora, processors, umt5, vae
+from parity.families.wan import c0, c1, c2, c3, c4, clip, clip_post, common, dit, faults, lora, processors, umt5, vae
 from parity.family import ParityFamily
 
 LEVELS = {"C0": processors.with_processor_checks(c0.run_c0), "C1": c1.run_c1, "C2": c2.run_c2, "C3": c3.run_c3,
@@ -57,7 +57,8 @@ def check_converted_text_encoder(out_dir) -> dict:
 
 # entry point name (a component manifest's parity.post_check) -> check, beside the family's own `check_converted`
 COMPONENT_POST_CHECKS = {"wan.transformer": check_converted_transformer,
-                         "wan.text_encoder": check_converted_text_encoder}
+                         "wan.text_encoder": check_converted_text_encoder,
+                         "wan.image_encoder": clip_post.check_converted_image_encoder}   # 2.1 I2V (clip_post.py)
 
 FAMILY = ParityFamily(
     name="wan",

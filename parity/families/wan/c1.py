@@ -29,9 +29,10 @@ from manifests.wan import WanGenerateRequest, WanModelConfig
 from parity.errors import SetupError
 from parity.families.wan import cases as case_lib, faults
 from parity.families.wan.cases import STEPS
-from parity.families.wan.common import (DEFAULT_VARIANTS, contract_tolerance,
+from parity.families.wan.common import (DEFAULT_VARIANTS, IMAGE_INPUT, contract_tolerance,
                                         convert_upstream, engine_decode, engine_for, fmt_drift,
-                                        reference_pipeline, resolve_models)
+                                        golden_components, golden_image_request, reference_pipeline,
+                                        resolve_models)
 from parity.family import DTYPES, golden_probe
 from parity.graph_checks import (InterleaveCases, capture_interleave_checks, dynamo_counts, graph_kinds_check,
                                   recording_calls)
@@ -142,9 +143,7 @@ def golden_model(case) -> tuple[WanModelConfig, dict[str, dict[str, torch.Tensor
         cfg = WanModelConfig.from_dict(p["model_config"])
     except (KeyError, ManifestError) as e:
         raise SetupError(f"golden case {case.path}: params.model_config ({e})") from None
-    want = {"transformer": cfg.dit, "text_encoder": cfg.text_encoder, "vae": cfg.vae}
-    if cfg.two_experts:
-        want["transformer_2"] = cfg.dit_2
+    want = golden_components(cfg)
     weights = {}
     for name, component_cfg in want.items():
         got_cfg, state = convert_upstream(case, case.path / "upstream" / name)
@@ -157,12 +156,13 @@ def golden_model(case) -> tuple[WanModelConfig, dict[str, dict[str, torch.Tensor
 def golden_request(case, cfg: WanModelConfig) -> WanGenerateRequest:
     t, p = case.inputs, case.meta.get("params", {})
     try:
-        return WanGenerateRequest(
+        req = WanGenerateRequest(
             text_ids=t["text_ids"], negative_text_ids=t.get("negative_text_ids"), num_frames=int(p["num_frames"]),
             height=int(p["height"]), width=int(p["width"]), num_steps=int(p["num_inference_steps"]),
             guidance_scale=float(p["guidance_scale"]), guidance_scale_2=p.get("guidance_scale_2"),
             seed=int(p["seed"]), solver=p["solver"], flow_shift=float(p["flow_shift"]), image=t.get("image"),
-            image_embeds=t.get("image_embeds")).validate(cfg)
+            image_embeds=t.get("image_embeds"))
+        return req if IMAGE_INPUT in t else req.validate(cfg)   # from an image: each side's processor completes it
     except (KeyError, TypeError, ValueError) as e:  # ManifestError included
         raise SetupError(f"golden case {case.path}: incomplete wan.generate inputs / params ({e})") from None
 
@@ -219,8 +219,8 @@ def golden_engine(cfg, weights, req) -> GoldenSide:
                       lambda: engine_decode(engine, r["latents"]["vision"]))
 
 
-@golden_probe(required=GENERATE_REQUIRED, optional=("negative_text_embeds", "video"),
-              required_with={"image": ("model_input_0",)})
+@golden_probe(required=GENERATE_REQUIRED, optional=("negative_text_embeds", "video", "image_embeds"),
+              required_with={"image": ("model_input_0",), IMAGE_INPUT: ("model_input_0", "image_embeds")})
 def golden_generate_probe(case, sides) -> list[CheckResult]:
     cfg, weights = golden_model(case)
     req = golden_request(case, cfg)
@@ -240,7 +240,9 @@ def golden_generate_probe(case, sides) -> list[CheckResult]:
 
     for side in sides:
         name = f"{case.name}/{side}"
-        s = golden_reference(cfg, weights, req) if side == "reference" else golden_engine(cfg, weights, req)
+        side_req, image_rows = golden_image_request(case, cfg, weights, req, side)
+        results += image_rows
+        s = golden_reference(cfg, weights, side_req) if side == "reference" else golden_engine(cfg, weights, side_req)
         fed_t = torch.cat([t for t, _ in s.fed]) if s.fed else torch.zeros(0)
         for key, got in (("timesteps", s.timesteps), ("model_timesteps", fed_t), ("experts",
                          torch.tensor(s.experts, dtype=torch.int64)), ("initial_latents", s.initial)):

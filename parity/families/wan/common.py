@@ -26,6 +26,7 @@ from manifests.parity import METRICS, Tolerance
 from manifests.wan import (UMT5Config, WanDiTConfig, WanGenerateRequest, WanModelConfig,
                            canonical_key_shapes, dit_key_shapes, list_model_variants, list_variants,
                            load_model_variant, load_variant, umt5_key_shapes)
+from manifests.wan.clip import clip_vision_key_shapes
 from parity.errors import SetupError, UpstreamConversionFailed
 from parity.family import DTYPE_NAMES
 from parity.localise import first_divergence
@@ -90,6 +91,8 @@ def random_model_weights(cfg: WanModelConfig, seed: int) -> dict[str, dict[str, 
            "vae": random_state_dict(canonical_key_shapes(cfg.vae), seed)}
     if cfg.two_experts:
         out["transformer_2"] = random_state_dict(dit_key_shapes(cfg.dit_2), seed + 3, wan_init)
+    if cfg.has_image_encoder:   # 2.1 I2V's CLIP tower: layer norms near 1 (wan_init's "norm" rule)
+        out["image_encoder"] = random_state_dict(clip_vision_key_shapes(cfg.image_encoder), seed + 4, wan_init)
     return out
 
 
@@ -137,7 +140,8 @@ def _variant_config(name: str, kind: str) -> Any:
         raise SetupError(f"wan: variant {name!r} is not a whole-model variant (a {kind} checkpoint compares with "
                          f"one of {', '.join(list_model_variants())})")
     cfg = load_model_variant(name)
-    return {"model": cfg, "transformer": cfg.dit, "text_encoder": cfg.text_encoder, "vae": cfg.vae}[kind]
+    return {"model": cfg, "transformer": cfg.dit, "text_encoder": cfg.text_encoder, "vae": cfg.vae,
+            "image_encoder": cfg.image_encoder}[kind]
 
 
 def resolve_models(variants: list[str], checkpoint: str | None, seed: int,
@@ -333,6 +337,66 @@ def make_request(cfg: WanModelConfig, seed: int, guidance: float = 5.0, text_len
     if cfg.dit.has_image_branch:
         base.setdefault("image_embeds", torch.randn(3, cfg.dit.image_dim, generator=g))
     return WanGenerateRequest(**base).validate(cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Golden wan.generate cases from an image (2.1 I2V with its CLIP image encoder)
+# ------------------------------------------------------------------------------------------------
+
+IMAGE_INPUT = "image_rgb"   # uint8 [H, W, 3]: the image upstream was given (as a PIL image), not yet resized
+
+
+def golden_components(cfg: WanModelConfig) -> dict[str, Any]:
+    """{upstream/<component>: its config} a golden model needs (the image encoder when the model has one)."""
+    want = {"transformer": cfg.dit, "text_encoder": cfg.text_encoder, "vae": cfg.vae}
+    if cfg.two_experts:
+        want["transformer_2"] = cfg.dit_2
+    if cfg.has_image_encoder:
+        want["image_encoder"] = cfg.image_encoder
+    return want
+
+
+def write_image_processor(cfg: WanModelConfig, folder: Path) -> None:
+    """folder/preprocessor_config.json: the model's CLIPImageProcessor as a diffusers pipeline root stores it."""
+    p = cfg.image_processor
+    folder.mkdir(parents=True)
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": p.shortest_edge},
+         "crop_size": {"height": p.crop_height, "width": p.crop_width}, "image_mean": list(p.image_mean),
+         "image_std": list(p.image_std), "resample": p.resample}))
+
+
+def golden_image_request(case, cfg: WanModelConfig, weights, req: WanGenerateRequest, side: str):
+    """(the side's request, its rows): for a case storing `image_rgb`, each side's own processor makes the VAE
+    pixels (resized to height x width) and its own pipeline's image encoder the image_embeds of the ORIGINAL image,
+    checked against upstream's `image_embeds` when stored. Other cases: the request as stored, no rows."""
+    from PIL import Image
+
+    from parity.report import tensor_check
+
+    if IMAGE_INPUT not in case.inputs:
+        return req, []
+    if not cfg.has_image_encoder:
+        raise SetupError(f"golden case {case.path}: {IMAGE_INPUT} needs a model_config with an image_encoder")
+    image = Image.fromarray(case.inputs[IMAGE_INPUT].numpy())
+    if side == "reference":
+        from reference.wan.processor import vae_pixels
+        pixels = vae_pixels(image, req.height, req.width)[0]
+        embeds = ref.WanReferencePipeline(cfg, weights).encode_image(image)
+    else:   # the serving path: the loaded model's encoder as media.py hands it to the processor / request builder
+        from optimized.models.wan.media import image_encoder_of
+        from optimized.models.wan.processor import WanProcessor
+        pixels = WanProcessor.vae_image(image, req.height, req.width)[0]
+        engine = optimized.Engine.from_weights(cfg, weights, weights_version="golden")
+        embeds = image_encoder_of(engine)([WanProcessor.clip_source(image)])[0]
+    rows = []
+    if "image_embeds" in case.outputs:
+        rows.append(tensor_check(f"{case.name}/{side}:image_embeds", embeds, case.outputs["image_embeds"],
+                                 case.tolerance, "image_encoder", "CLIP hidden_states[-2] of the original image"))
+    try:
+        return replace(req, image=pixels, image_embeds=embeds).validate(cfg), rows
+    except ValueError as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
 
 
 def reference_pipeline(m: ModelUnderTest, device: str = "cpu") -> ref.WanReferencePipeline:

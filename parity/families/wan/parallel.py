@@ -191,13 +191,16 @@ def write_model_dir(m: ModelUnderTest, root: Path) -> Path:
                "vae": {"_class_name": "AutoencoderKLWan", **cfg.vae.to_diffusers_config()}}
     if cfg.two_experts:
         configs["transformer_2"] = cfg.dit_2.to_diffusers_config()
+    if cfg.has_image_encoder:   # 2.1 I2V: a transformers CLIPVisionModel + its processor (fvconvert requires them)
+        configs["image_encoder"] = {"model_type": "clip_vision_model", **cfg.image_encoder.to_transformers_config()}
+        common.write_image_processor(cfg, src / "image_processor")
     for name, config in configs.items():
         state = {k: v.contiguous() for k, v in m.weights[name].items()}
         if name == "text_encoder":   # (upstream) transformers saves the tied input embedding too
             state["encoder.embed_tokens.weight"] = state["shared.weight"].clone()
         (src / name).mkdir(parents=True)
         (src / name / "config.json").write_text(json.dumps(config))
-        save_file(state, str(src / name / ("model.safetensors" if name == "text_encoder" else
+        save_file(state, str(src / name / ("model.safetensors" if name in ("text_encoder", "image_encoder") else
                                            "diffusion_pytorch_model.safetensors")))
     # the pipeline's assets: a scheduler config the model config is read from, and a tokenizer folder (never used
     # here: requests carry token ids)
@@ -212,7 +215,9 @@ def write_model_dir(m: ModelUnderTest, root: Path) -> Path:
              "tokenizer": ["transformers", "T5TokenizerFast"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
              "transformer": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"],
              "transformer_2": ["diffusers", "WanTransformer3DModel"] if cfg.two_experts else [None, None],
-             "boundary_ratio": cfg.boundary_ratio, "expand_timesteps": cfg.expand_timesteps}
+             "boundary_ratio": cfg.boundary_ratio, "expand_timesteps": cfg.expand_timesteps,
+             **({"image_encoder": ["transformers", "CLIPVisionModel"], "image_processor": [
+                 "transformers", "CLIPImageProcessor"]} if cfg.has_image_encoder else {})}
     (src / "model_index.json").write_text(json.dumps(index))
     out = root / "canonical"
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):   # not the report
