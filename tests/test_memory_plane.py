@@ -206,3 +206,14 @@ def test_card_says_where_the_weights_are():
     eng.sleep()
     mem = eng.deployment_card()["memory"]
     assert sorted(mem["asleep"]) == sorted(eng.memory.components) and mem["weights_device_bytes"] == 0
+
+
+def test_offload_follows_a_weight_update():
+    cfg = load_model_variant("tiny-2.1-t2v")
+    new = WanModelInstance.random_weights(cfg, 1)
+    want = wan_video(Engine.from_weights(cfg, new))
+    eng = Engine.from_weights(cfg, WanModelInstance.random_weights(cfg, 0), offload="blockwise")
+    eng.update_weights(new, version="v1")
+    got = wan_video(eng)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert eng.memory.instance is eng.model and eng.memory.mode == "blockwise" and eng.memory.stats.block_fetches
