@@ -1,0 +1,37 @@
+"""ltx2 parity: C0 (the full forward, reference vs optimized, first divergent layer named), one planted fault,
+the golden probe `ltx2.forward` (cases written by `fvparity align ltx2 --save`), the fvconvert
+post-check, and what `fvparity align` reads (`SIDES`)."""
+
+from __future__ import annotations
+
+import reference.ltx2 as ref
+import optimized.models.ltx2 as opt
+from manifests.ltx2 import key_shapes, list_variants, load_variant
+from manifests.ltx2.keys import GAINS
+from parity.family import Fault, ParityFamily
+from parity.families.ltx2.inputs import make_inputs
+from parity.port.kit import PortedSides
+
+SIDES = PortedSides(family="ltx2", load_variant=load_variant, key_shapes=key_shapes, gains=GAINS,
+                    make_inputs=make_inputs, reference=ref.load_model, optimized=opt.load_model,
+                    default_variants=("tiny",), fault_key="transformer_blocks.1.scale_shift_table", fault_layer="transformer_blocks.1",
+                    # one negative control per stream and one across them: the audio head, audio feed-forward,
+                    # the audio -> video attention
+                    extra_faults=(("audio_proj_out.weight", "audio_proj_out"),
+                                  ("transformer_blocks.0.audio_ff.net.2.weight", "transformer_blocks.0.audio_ff"),
+                                  ("transformer_blocks.1.audio_to_video_attn.to_v.weight",
+                                   "transformer_blocks.1.audio_to_video_attn")))
+
+
+def check_converted(out_dir) -> dict:
+    """fvconvert's post-check: C0 on the converted weights."""
+    return SIDES.check_converted(out_dir)
+
+
+FAMILY = ParityFamily(
+    name="ltx2",
+    description="LTX2VideoTransformer3DModel (diffusers:LTX2VideoTransformer3DModel), ported with fvparity port new",
+    levels={"C0": SIDES.run_c0}, variants=list_variants, default_variants=SIDES.default_variants,
+    faults=tuple(Fault(name, f"{key} scaled on the optimized side", "C0", layer)
+                 for name, (key, layer) in SIDES.faults.items()),
+    golden_probes={"ltx2.forward": SIDES.golden_probe()}, check_converted=check_converted)

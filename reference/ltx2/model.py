@@ -1,0 +1,246 @@
+"""ltx2 reference model: diffusers:LTX2VideoTransformer3DModel (diffusers 0.42.1), written to be read top to bottom.
+
+The weights live under their canonical names (manifests/ltx2/keys.py) as a tree of modules built from the keys:
+`self.<path>.weight`, a numbered level is an nn.ModuleList. Write `forward`; call `trace(name, tensor)` with the
+canonical module name for every output worth localising (each block at least): C0 and `fvparity align` name the
+first one that diverges.
+"""
+
+from __future__ import annotations
+
+import math  # noqa: F401 - for the forward
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: F401 - for the forward
+
+from manifests.ltx2 import Ltx2Config, key_shapes
+
+
+def _tree(root: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """One nn.Parameter per canonical key, under its dotted name (numbered levels become ModuleLists)."""
+    for key, shape in shapes.items():
+        *path, leaf = key.split(".")
+        node = root
+        for part, nxt in zip(path, path[1:] + [leaf]):
+            make = nn.ModuleList if nxt.isdigit() else nn.Module
+            if isinstance(node, nn.ModuleList):
+                while len(node) <= int(part):
+                    node.append(make())
+                node = node[int(part)]
+            else:
+                if part not in node._modules:
+                    node.add_module(part, make())
+                node = node._modules[part]
+        node.register_parameter(leaf, nn.Parameter(torch.empty(shape), requires_grad=False))
+
+
+class Ltx2Model(nn.Module):
+    def __init__(self, cfg: Ltx2Config):
+        super().__init__()
+        unsupported = [f"{k}={getattr(cfg, k)!r}" for k, ok in UNSUPPORTED.items() if getattr(cfg, k) != ok]
+        if unsupported:
+            raise ValueError(f"ltx2 reference: not ported yet: {', '.join(unsupported)} (LTX-2.0 configs only)")
+        self.cfg = cfg
+        _tree(self, key_shapes(cfg))
+
+    def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
+                timestep, audio_timestep=None, encoder_attention_mask=None, audio_encoder_attention_mask=None,
+                video_coords=None, audio_coords=None, trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Video tokens [B, N, in_channels] and audio tokens [B, M, audio_in_channels] -> both denoised, one step."""
+        c = self.cfg
+        record = trace or (lambda name, t: None)
+
+        def record_out(name: str, t: torch.Tensor) -> torch.Tensor:
+            record(name, t)
+            return t
+        batch = hidden_states.shape[0]
+        if video_coords is None or audio_coords is None:
+            raise ValueError("ltx2 reference: pass video_coords and audio_coords (LTX2Pipeline always does)")
+        audio_timestep = timestep if audio_timestep is None else audio_timestep
+        text_bias = mask_to_bias(encoder_attention_mask, hidden_states.dtype)
+        audio_text_bias = mask_to_bias(audio_encoder_attention_mask, audio_hidden_states.dtype)
+
+        # 1. RoPE: each stream over its own axes; the cross-modal attention over time only, on a shared time base
+        cross_base = max(c.pos_embed_max_pos, c.audio_pos_embed_max_pos)
+        video_rope = rope(video_coords, (c.pos_embed_max_pos, c.base_height, c.base_width), c.inner_dim, c.rope_theta)
+        audio_rope = rope(audio_coords, (c.audio_pos_embed_max_pos,), c.audio_inner_dim, c.rope_theta)
+        video_time_rope = rope(video_coords[:, 0:1], (cross_base,), c.audio_cross_attention_dim, c.rope_theta)
+        audio_time_rope = rope(audio_coords[:, 0:1], (cross_base,), c.audio_cross_attention_dim, c.rope_theta)
+
+        # 2. token and text projections
+        x = linear(self.proj_in, hidden_states)
+        a = linear(self.audio_proj_in, audio_hidden_states)
+        record("proj_in", x)
+        record("audio_proj_in", a)
+        text = caption_projection(self.caption_projection, encoder_hidden_states)
+        audio_text = caption_projection(self.audio_caption_projection, audio_encoder_hidden_states)
+        record("caption_projection", text)
+        record("audio_caption_projection", audio_text)
+
+        # 3. timestep conditioning, per modality: [B, T, k * D] (T = 1 or one per token)
+        video_mod, video_emb = ada_single(self.time_embed, timestep, batch, x.dtype)
+        audio_mod, audio_emb = ada_single(self.audio_time_embed, audio_timestep, batch, a.dtype)
+        # the cross-modal scale / shift and gates follow each stream's own timestep (upstream's LTX-2.0 default)
+        video_ca, _ = ada_single(self.av_cross_attn_video_scale_shift, timestep, batch, x.dtype)
+        audio_ca, _ = ada_single(self.av_cross_attn_audio_scale_shift, audio_timestep, batch, a.dtype)
+        gate_factor = c.cross_attn_timestep_scale_multiplier / c.timestep_scale_multiplier
+        video_gate, _ = ada_single(self.av_cross_attn_video_a2v_gate, timestep * gate_factor, batch, x.dtype)
+        audio_gate, _ = ada_single(self.av_cross_attn_audio_v2a_gate, audio_timestep * gate_factor, batch, a.dtype)
+        record("time_embed", video_mod.flatten(0, 1))          # upstream's module returns [B * T, k * D]
+        record("audio_time_embed", audio_mod.flatten(0, 1))
+
+        # 4. the blocks
+        for i, blk in enumerate(self.transformer_blocks):
+            eps = c.norm_eps
+            v_shift, v_scale, v_gate, v_shift_ff, v_scale_ff, v_gate_ff = modulation(blk.scale_shift_table, video_mod)
+            a_shift, a_scale, a_gate, a_shift_ff, a_scale_ff, a_gate_ff = modulation(blk.audio_scale_shift_table,
+                                                                                   audio_mod)
+            # 4.1 self-attention, each stream with its own RoPE
+            b = f"transformer_blocks.{i}."
+            y = rms_norm(x, eps) * (1 + v_scale) + v_shift
+            x = x + record_out(b + "attn1", attention(blk.attn1, y, y, c.num_attention_heads, video_rope,
+                                                      video_rope)) * v_gate
+            y = rms_norm(a, eps) * (1 + a_scale) + a_shift
+            a = a + record_out(b + "audio_attn1", attention(blk.audio_attn1, y, y, c.audio_num_attention_heads,
+                                                            audio_rope, audio_rope)) * a_gate
+            # 4.2 text cross-attention, ungated, no RoPE
+            x = x + record_out(b + "attn2", attention(blk.attn2, rms_norm(x, eps), text, c.num_attention_heads,
+                                                      bias=text_bias))
+            a = a + record_out(b + "audio_attn2", attention(blk.audio_attn2, rms_norm(a, eps), audio_text,
+                                                            c.audio_num_attention_heads, bias=audio_text_bias))
+            # 4.3 audio <-> video cross-attention (heads and width of the audio stream, time-only RoPE); both
+            # directions read the streams as they were before either update (upstream normalises once)
+            xn, an = rms_norm(x, eps), rms_norm(a, eps)
+            v_ca = modulation(blk.video_a2v_cross_attn_scale_shift_table[:4], video_ca)
+            a_ca = modulation(blk.audio_a2v_cross_attn_scale_shift_table[:4], audio_ca)
+            a2v_gate = modulation(blk.video_a2v_cross_attn_scale_shift_table[4:], video_gate)[0]
+            v2a_gate = modulation(blk.audio_a2v_cross_attn_scale_shift_table[4:], audio_gate)[0]
+            # the per-stream tables are (scale, shift) pairs, scale first (upstream order): a2v, then v2a
+            q, kv = xn * (1 + v_ca[0]) + v_ca[1], an * (1 + a_ca[0]) + a_ca[1]
+            x_new = x + a2v_gate * record_out(b + "audio_to_video_attn", attention(
+                blk.audio_to_video_attn, q, kv, c.audio_num_attention_heads, video_time_rope, audio_time_rope))
+            q, kv = an * (1 + a_ca[2]) + a_ca[3], xn * (1 + v_ca[2]) + v_ca[3]
+            a = a + v2a_gate * record_out(b + "video_to_audio_attn", attention(
+                blk.video_to_audio_attn, q, kv, c.audio_num_attention_heads, audio_time_rope, video_time_rope))
+            x = x_new
+            # 4.4 feed-forward
+            x = x + record_out(b + "ff", feed_forward(blk.ff, rms_norm(x, eps) * (1 + v_scale_ff) + v_shift_ff)
+                               ) * v_gate_ff
+            a = a + record_out(b + "audio_ff", feed_forward(blk.audio_ff, rms_norm(a, eps) * (1 + a_scale_ff)
+                                                            + a_shift_ff)) * a_gate_ff
+            record(f"transformer_blocks.{i}", x)
+            record(f"transformer_blocks.{i}.audio", a)
+
+        # 5. output heads: LayerNorm (no affine), modulated by the embedded timestep (before its SiLU + linear)
+        # the same embedding is added to both rows of the table, shift and scale (upstream)
+        shift, scale = (self.scale_shift_table[None, None] + video_emb[:, :, None]).unbind(2)
+        out = linear(self.proj_out, F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale) + shift)
+        shift, scale = (self.audio_scale_shift_table[None, None] + audio_emb[:, :, None]).unbind(2)
+        audio_out = linear(self.audio_proj_out, F.layer_norm(a, a.shape[-1:], eps=1e-6) * (1 + scale) + shift)
+        record("proj_out", out)
+        record("audio_proj_out", audio_out)
+        return out, audio_out
+
+
+# config values this port covers (LTX-2.0); the LTX-2.3 / 2.5 switches are refused by name
+UNSUPPORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1,
+               "gated_attn": False, "cross_attn_mod": False, "audio_gated_attn": False,
+               "audio_cross_attn_mod": False, "rope_type": "interleaved", "use_prompt_embeddings": True,
+               "perturbed_attn": False, "ff_bias": True, "audio_ff_bias": True, "norm_elementwise_affine": False,
+               "attention_bias": True, "attention_out_bias": True, "qk_norm": "rms_norm_across_heads",
+               "activation_fn": "gelu-approximate", "use_keyframes_abs_pos_embedding": False}
+
+
+def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, mod.weight, mod.bias)
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a gain, computed in fp32 and cast back (upstream)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def mask_to_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A 0 / 1 key mask [B, L] -> an additive bias [B, 1, 1, L]: 0 kept, -10000 dropped (upstream, not -inf)."""
+    if mask is None:
+        return None
+    return ((1 - mask.to(dtype)) * -10000.0)[:, None, None, :]
+
+
+def timestep_embedding(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """256 sinusoidal channels, cos first, frequencies exp(-ln(10000) * j / 128) (diffusers Timesteps, shift 0)."""
+    freqs = torch.exp(-math.log(10000) * torch.arange(128, dtype=torch.float32) / 128)
+    angles = t.float()[:, None] * freqs[None]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
+
+
+def ada_single(mod: nn.Module, t: torch.Tensor, batch: int, dtype: torch.dtype):
+    """AdaLN-single: (SiLU -> linear of the timestep embedding, the embedding itself), both [B, T, *]."""
+    te = mod.emb.timestep_embedder
+    emb = linear(te.linear_2, F.silu(linear(te.linear_1, timestep_embedding(t.flatten(), dtype))))
+    return linear(mod.linear, F.silu(emb)).view(batch, -1, mod.linear.weight.shape[0]), emb.view(batch, -1,
+                                                                                                 emb.shape[-1])
+
+
+def modulation(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A per-layer table [k, D] plus the global conditioning [B, T, k * D] -> k tensors [B, T, D]."""
+    k = table.shape[0]
+    values = table[None, None] + temb.reshape(temb.shape[0], temb.shape[1], k, -1)
+    return values.unbind(dim=2)
+
+
+def caption_projection(mod: nn.Module, text: torch.Tensor) -> torch.Tensor:
+    return linear(mod.linear_2, F.gelu(linear(mod.linear_1, text), approximate="tanh"))
+
+
+def feed_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return linear(mod.net[2], F.gelu(linear(mod.net[0].proj, x), approximate="tanh"))
+
+
+def rope(coords: torch.Tensor, max_positions: tuple, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved RoPE (cos, sin) [B, N, dim] from [start, end) coordinates [B, P, N, 2]: each token sits at its
+    patch midpoint as a fraction of the base extent, mapped to [-1, 1]; frequencies theta^linspace(0, 1) * pi / 2
+    (float64, then float32: upstream), axis-minor; the dim % (2P) leftover channels lead, unrotated."""
+    pos = coords.mean(-1)                                                        # [B, P, N] midpoints
+    axes = pos.shape[1]
+    grid = torch.stack([pos[:, i] / max_positions[i] for i in range(axes)], dim=-1)        # [B, N, P]
+    freqs = (theta ** torch.linspace(0.0, 1.0, dim // (2 * axes), dtype=torch.float64) * math.pi / 2).float()
+    angles = ((grid[..., None] * 2 - 1) * freqs).transpose(-1, -2).flatten(2)    # [B, N, F * P], frequency-major
+    cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+    pad = dim % (2 * axes)
+    if pad:
+        cos = torch.cat([torch.ones_like(cos[..., :pad]), cos], -1)
+        sin = torch.cat([torch.zeros_like(sin[..., :pad]), sin], -1)
+    return cos, sin
+
+
+def rotate(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Interleaved rotation over the full width (all heads at once): pairs (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)."""
+    cos, sin = freqs
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([-x1, x0], dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def attention(attn: nn.Module, x: torch.Tensor, context: torch.Tensor, heads: int,
+              q_rope=None, k_rope=None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """LTX-2 attention: q / k RMS-normalised across all heads (gain, eps 1e-6), then RoPE, then SDPA."""
+    q = F.rms_norm(linear(attn.to_q, x), attn.to_q.weight.shape[:1], attn.norm_q.weight, eps=1e-6)
+    k = F.rms_norm(linear(attn.to_k, context), attn.to_k.weight.shape[:1], attn.norm_k.weight, eps=1e-6)
+    v = linear(attn.to_v, context)
+    if q_rope is not None:
+        q, k = rotate(q, q_rope), rotate(k, k_rope)
+    n, s = x.shape[:2]
+    q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return linear(attn.to_out[0], o.transpose(1, 2).reshape(n, s, -1))
+
+
+def load_model(cfg: Ltx2Config, state: dict[str, torch.Tensor], device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> Ltx2Model:
+    """Strict: exactly the canonical keys at their shapes."""
+    model = Ltx2Model(cfg)
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
