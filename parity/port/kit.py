@@ -50,31 +50,47 @@ class PortedSides:
     fault_key: str                      # the weight the planted fault scales
     fault_layer: str                    # where C0 must localise it
     upstream_format: str = "diffusers"  # the CheckpointManifest that maps upstream names to canonical ones
+    # more planted faults, (weight, layer) each: e.g. one per output stream of a multi-output forward
+    extra_faults: tuple[tuple[str, str], ...] = ()
 
     @property
     def fault_name(self) -> str:
         return f"scaled-weight-{self.fault_layer}"
+
+    @property
+    def faults(self) -> dict[str, tuple[str, str]]:
+        """{fault name: (weight it scales, layer C0 must name)}, the scaffold's first."""
+        pairs = ((self.fault_key, self.fault_layer), *self.extra_faults)
+        return {f"scaled-weight-{layer}": (key, layer) for key, layer in pairs}
 
     def random_state(self, cfg: Any, seed: int) -> dict[str, torch.Tensor]:
         return random_state_dict(self.key_shapes(cfg), seed, gain_init(self.gains))
 
     def forward(self, side: str, cfg: Any, state: dict, inputs: dict, device: str = "cpu",
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(output, {canonical module: traced tensor}) of one side."""
+        """(output, {canonical module: traced tensor}) of one side; a forward returning several outputs gives
+        its first (upstream's `return_dict=False` order)."""
+        outs, trace = self.forward_all(side, cfg, state, inputs, device, dtype)
+        return outs[0], trace
+
+    def forward_all(self, side: str, cfg: Any, state: dict, inputs: dict, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """([every output], {canonical module: traced tensor}) of one side (LTX-2 returns video and audio)."""
         model = (self.reference if side == "reference" else self.optimized)(cfg, state, device=device, dtype=dtype)
         rec = TraceRecorder()
         args = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in inputs.items()}
         with torch.no_grad():
             out = model(**args, trace=rec)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        return out.float().cpu(), {k: v.float().cpu() for k, v in rec.records.items()}
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        return [o.float().cpu() for o in outs], {k: v.float().cpu() for k, v in rec.records.items()}
 
     def planted(self, fault: str | None, state: dict) -> dict:
         if fault is None:
             return state
-        if fault != self.fault_name:
-            raise SetupError(f"unknown fault {fault!r} for {self.family}; faults: {self.fault_name}")
-        return {**state, self.fault_key: state[self.fault_key] * FAULT_SCALE}
+        if fault not in self.faults:
+            raise SetupError(f"unknown fault {fault!r} for {self.family}; faults: {', '.join(self.faults)}")
+        key, _ = self.faults[fault]
+        return {**state, key: state[key] * FAULT_SCALE}
 
     # ---- C0 ----
     def run_c0(self, variants: list[str], checkpoint: str | None, device: str, dtypes: list[str], seed: int,
@@ -96,12 +112,17 @@ class PortedSides:
                 progress(f"[{self.family} C0] {check}")
                 tol = contract.tolerance("C0", DTYPE_NAMES[dt], device)
                 with exceptions_fail(report.checks, check):
-                    want, want_trace = self.forward("reference", cfg, state, inputs, device, DTYPES[dt])
-                    got, got_trace = self.forward("optimized", cfg, self.planted(fault, state), inputs, device,
-                                                  DTYPES[dt])
+                    want, want_trace = self.forward_all("reference", cfg, state, inputs, device, DTYPES[dt])
+                    got, got_trace = self.forward_all("optimized", cfg, self.planted(fault, state), inputs, device,
+                                                      DTYPES[dt])
+                    if len(got) != len(want):
+                        raise ValueError(f"optimized returned {len(got)} outputs, reference {len(want)}")
                     div = first_divergence(got_trace, want_trace, tol)
-                    report.checks.append(tensor_check(check, got, want, tol, div.name if div else None,
-                                                      detail=f"{len(want_trace)} traced modules"))
+                    # every output is a check (`forward`, then `forward.out1` ...): none goes uncompared
+                    for n, (g, w) in enumerate(zip(got, want)):
+                        report.checks.append(tensor_check(check + (f".out{n}" if n else ""), g, w, tol,
+                                                          div.name if div else None,
+                                                          detail=f"{len(want_trace)} traced modules"))
         return report
 
     def _variant(self, name: str) -> Any:

@@ -118,7 +118,8 @@ def diffusers_manifest(family: str, up: U.Upstream, table: U.KeyTable, tiny: dic
     for group, keys in table.segments:
         for pattern, _ in keys:
             heads.setdefault(group.prefix if group else pattern.split(".")[0])
-    rules = [{"op": "rename", "name": h, "match": f"^{re.escape(h)}\\..+$", "to": "\\g<0>"} for h in heads]
+    # `(\..+)?`: a top-level parameter (LTX-2's `scale_shift_table`) is a key of its own, with no dot
+    rules = [{"op": "rename", "name": h, "match": f"^{re.escape(h)}(\\..+)?$", "to": "\\g<0>"} for h in heads]
     return {
         "schema": "fvconvert.checkpoint_manifest/2", "family": family, "format": "diffusers",
         "component": "transformer",

@@ -32,7 +32,8 @@ TINY_RULES: tuple[tuple[str, int], ...] = (
     (r"^sample_size$", 8),
     (r"^(num_embeds_ada_norm|num_classes)$", 10),
     (r"^norm_num_groups$", 1),
-    (r"^(hidden_size|d_model|cross_attention_dim|joint_attention_dim|caption_channels|text_dim|freq_dim|"
+    # a modality prefix (`audio_cross_attention_dim`) names the same kind of width: it shrinks with the rest
+    (r"(^|_)(hidden_size|d_model|cross_attention_dim|joint_attention_dim|caption_channels|text_dim|freq_dim|"
      r"pooled_projection_dim|time_embed_dim|encoder_hid_dim|caption_projection_dim|text_embed_dim)$", 16),
 )
 SKIPPED_FORWARD_ARGS = {"self", "return_dict", "cross_attention_kwargs", "attention_kwargs", "joint_attention_kwargs",
