@@ -217,3 +217,12 @@ def test_offload_follows_a_weight_update():
     got = wan_video(eng)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert eng.memory.instance is eng.model and eng.memory.mode == "blockwise" and eng.memory.stats.block_fetches
+
+
+def test_captured_graphs_refuse_moving_weights():
+    """A captured CUDA graph holds weight addresses: sleeping or offloading under it is refused, nothing moved."""
+    eng = Engine.from_variant("tiny-2.1-t2v")
+    eng.model.dit.graph_mode = "cuda"   # as configure_graph("cuda") leaves it (no capture needed to refuse)
+    with pytest.raises(MemoryStateError, match="captured CUDA graphs"):
+        eng.sleep()
+    assert eng.memory.device_bytes == sum(c.nbytes for c in eng.memory.components.values())

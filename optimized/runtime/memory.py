@@ -169,7 +169,7 @@ class MemoryPlane:
     # ------------------------------------------------------------------ moves (one tensor)
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cuda":   # pinned: the async copy back needs page-locked memory
-            return torch.empty_like(t, device="cpu", pin_memory=True).copy_(t)
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
         return t.clone()
 
     def _offload(self, slot: Slot, keep_host: bool = True) -> None:
@@ -232,6 +232,14 @@ class MemoryPlane:
         if c.state == "device":
             c.state = "host"
 
+    @staticmethod
+    def _check_movable(c: _Managed, what: str) -> None:
+        """Captured CUDA graphs replay fixed weight addresses: a moved weight would be read from freed memory."""
+        if getattr(c.spec.obj, "graph_mode", "eager") == "cuda":
+            raise MemoryStateError(f"{what}: component {c.spec.name!r} replays captured CUDA graphs (graph mode "
+                                   f"'cuda'), which hold its weights' addresses; configure_graph('eager' or "
+                                   f"'compile') first")
+
     def use(self, name: str) -> None:
         """Component `name` is about to run: under idle / blockwise offload it comes to the device and every other
         component goes to host first (the lower peak). Asleep or unloaded components refuse to run."""
@@ -244,6 +252,7 @@ class MemoryPlane:
             return
         if self.in_use == name and c.state == "device":
             return
+        self._check_movable(c, f"offload={self.mode!r}")
         for other in self.components.values():
             if other is not c and other.state == "device" and other.spec.entry_points:
                 self._send_out(other)
@@ -361,6 +370,8 @@ class MemoryPlane:
         comps, caches = self._resolve(tags)
         before, freed = self.device_bytes, 0
         for c in comps:
+            self._check_movable(c, "sleep")
+        for c in comps:
             if c.state == "unloaded":
                 continue
             self._send_out(c)
@@ -395,6 +406,7 @@ class MemoryPlane:
     def unload(self, name: str) -> int:
         """Drop component `name` from the device and host (meta only); device bytes freed."""
         c = self._component(name)
+        self._check_movable(c, "unload")
         before = self.device_bytes
         if c.streamed is not None:
             c.streamed.evict_all()
