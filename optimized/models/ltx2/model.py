@@ -196,7 +196,8 @@ def _norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
     """0 / 1 text mask [B, L] -> bool keep [B, 1, 1, L]. Upstream adds -10000 instead, which softmax turns into an
-    exact 0 unless a row keeps nothing: there every key weighs the same, so such a row keeps everything."""
+    exact 0 unless a row keeps nothing: there the shift cancels, so such a row keeps everything (upstream's fp32
+    logits - 10000 are rounded to ~1e-3 there; the pipeline's masks always keep a token)."""
     if mask is None:
         return None
     keep = mask > 0.5

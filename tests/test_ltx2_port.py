@@ -1,0 +1,91 @@
+"""ltx2 beyond the generated test: every planted fault (one per stream and one across them) fails C0 naming its
+layer; the audio output is a C0 check of its own (a fault that only the audio head sees fails); a text row with
+every key masked matches upstream's -10000 bias on the optimized side's boolean mask; configs this port does not
+cover are refused by name; and, against diffusers, align names a planted upstream difference in the audio stream
+and the kit's tiny config / identity manifest fit LTX-2's constructor and its top-level parameters."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from manifests.ltx2 import load_variant
+from parity.families.ltx2 import FAMILY, SIDES
+from parity.families.ltx2.inputs import make_inputs
+
+
+def c0(fault=None):
+    return FAMILY.levels["C0"](variants=["tiny"], checkpoint=None, device="cpu", dtypes=["fp32"], seed=0,
+                               fault=fault, progress=lambda m: None)
+
+
+@pytest.mark.parametrize("fault", sorted(SIDES.faults))
+def test_each_fault_fails_c0_naming_its_layer(fault):
+    report = c0(fault)
+    _, layer = SIDES.faults[fault]
+    failed = [c for c in report.checks if not c.passed]
+    # the layer or a module inside it (the block's scale_shift_table first shows in its attn1)
+    assert failed and all(c.divergence == layer or c.divergence.startswith(layer + ".") for c in failed), \
+        [(c.name, c.divergence) for c in report.checks]
+
+
+def test_audio_output_is_checked_on_its_own():
+    """The audio head's weight changes only the second output: C0 must fail on `forward.out1`, not pass on the
+    video output alone (the kit compared the first output only)."""
+    clean = c0()
+    assert clean.passed and [c.name for c in clean.checks] == ["tiny/fp32/forward", "tiny/fp32/forward.out1"]
+    report = c0("scaled-weight-audio_proj_out")
+    by_name = {c.name: c for c in report.checks}
+    assert by_name["tiny/fp32/forward"].passed
+    assert not by_name["tiny/fp32/forward.out1"].passed
+
+
+def test_fully_masked_text_row_matches_the_reference():
+    """Upstream adds -10000 to masked keys, so a row that keeps no key attends uniformly; the optimized side's
+    boolean mask must do the same there (a plain `mask > 0.5` gives NaN). Not to 1e-5: upstream's logits - 10000 are
+    rounded to fp32's ~1e-3 step at 10^4, the boolean side keeps them exact (the pipeline's masks keep >= 1 token)."""
+    cfg = load_variant("tiny")
+    state = SIDES.random_state(cfg, 1)
+    inputs = make_inputs(cfg, 1)
+    inputs["encoder_attention_mask"][1] = 0.0
+    inputs["audio_encoder_attention_mask"][1] = 0.0
+    want, _ = SIDES.forward_all("reference", cfg, state, inputs)
+    got, _ = SIDES.forward_all("optimized", cfg, state, inputs)
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert (g - w).norm() / w.norm() < 1e-3
+
+
+@pytest.mark.parametrize("side", ["reference", "optimized"])
+def test_unported_configs_are_refused_by_name(side):
+    cfg = dataclasses.replace(load_variant("tiny"), gated_attn=True, rope_type="split")
+    state = SIDES.random_state(cfg, 0)
+    with pytest.raises(ValueError, match="not ported yet: gated_attn=True, rope_type='split'"):
+        SIDES.forward(side, cfg, state, make_inputs(cfg, 0))
+
+
+@pytest.mark.upstream
+def test_align_names_a_planted_upstream_difference_in_the_audio_stream():
+    pytest.importorskip("diffusers")
+    from parity.align import align
+
+    clean, *_ = align("ltx2", "diffusers:LTX2VideoTransformer3DModel")
+    assert clean.passed, [(s.side, s.error, s.first) for s in clean.sides]
+    planted, *_ = align("ltx2", "diffusers:LTX2VideoTransformer3DModel", plant="transformer_blocks.0.audio_attn2")
+    for side in planted.sides:
+        assert side.first is not None and side.first.upstream == "transformer_blocks.0.audio_attn2", side
+
+
+@pytest.mark.upstream
+def test_kit_fits_ltx2_constructor_and_top_level_parameters():
+    pytest.importorskip("diffusers")
+    from parity.port import upstream as U
+
+    up = U.resolve("diffusers:LTX2VideoTransformer3DModel")
+    tiny = U.tiny_config(up, U.default_config(up), {})
+    # a modality-prefixed width shrinks with the rest (else the audio cross-attention RoPE is 2048 wide on 16)
+    assert tiny["audio_cross_attention_dim"] == tiny["audio_num_attention_heads"] * tiny["audio_attention_head_dim"]
+    manifest = SIDES.manifest()
+    config = load_variant("tiny").to_dict()
+    assert manifest.match("scale_shift_table", config)[1] == "scale_shift_table"
+    assert manifest.match("audio_scale_shift_table", config)[1] == "audio_scale_shift_table"
