@@ -76,7 +76,8 @@ class WanModelInstance:
         self.image_encoder: CLIPVisionFast | None = None
         self.image_processor: CLIPPixels | None = None
         if cfg.has_image_encoder:
-            self.image_encoder = CLIPVisionFast(cfg.image_encoder, weights[IMAGE_ENCODER], device, dtype)
+            # fp32 whatever the DiT's dtype: the pipeline's documented set-up loads image_encoder in float32 (upstream)
+            self.image_encoder = CLIPVisionFast(cfg.image_encoder, weights[IMAGE_ENCODER], device, torch.float32)
             self.image_processor = CLIPPixels(cfg.image_processor)
 
     def encode_image(self, images) -> torch.Tensor:
