@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m optimized.serving
     warning = exposure_warning(args.host, api_key)
     if warning:
         print(warning, file=sys.stderr)
-    from optimized.serving.fvgen import load_engine, UsageError
+    from optimized.serving.loading import load_engine, UsageError
     try:
         engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan,
                              args.seed_weights)

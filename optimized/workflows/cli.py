@@ -41,8 +41,8 @@ def run(argv: list[str]) -> int:
     import torch
 
     from optimized.programs import check_out_path
-    from optimized.serving.fvgen import Progress, check_device
-    from optimized.serving.fvgen import UsageError as FvgenUsage
+    from optimized.serving.loading import Progress, check_device
+    from optimized.serving.loading import UsageError as FvgenUsage
     from optimized.workflows import WorkflowError, bind, compile_file, resolve_model_dir, write_outputs
     args = _parser().parse_args(argv)
     try:
