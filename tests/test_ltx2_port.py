@@ -5,6 +5,7 @@ cover are refused by name; and, against diffusers, align names a planted upstrea
 and the kit's tiny config / identity manifest fit LTX-2's constructor and its top-level parameters."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,9 +60,9 @@ def test_fully_masked_text_row_matches_the_reference():
 
 @pytest.mark.parametrize("side", ["reference", "optimized"])
 def test_unported_configs_are_refused_by_name(side):
-    cfg = dataclasses.replace(load_variant("tiny"), gated_attn=True, rope_type="split")
+    cfg = dataclasses.replace(load_variant("tiny"), gated_attn=True, perturbed_attn=True)
     state = SIDES.random_state(cfg, 0)
-    with pytest.raises(ValueError, match="not ported yet: gated_attn=True, rope_type='split'"):
+    with pytest.raises(ValueError, match="not ported yet: gated_attn=True, perturbed_attn=True"):
         SIDES.forward(side, cfg, state, make_inputs(cfg, 0))
 
 
@@ -90,3 +91,25 @@ def test_kit_fits_ltx2_constructor_and_top_level_parameters():
     config = load_variant("tiny").to_dict()
     assert manifest.match("scale_shift_table", config)[1] == "scale_shift_table"
     assert manifest.match("audio_scale_shift_table", config)[1] == "audio_scale_shift_table"
+
+
+def test_split_rope_golden_passes_and_tells_the_rope_kinds_apart():
+    """The split-RoPE case passes on both sides, and the same weights and inputs with interleaved RoPE miss its
+    output (so the case pins which RoPE is used, with 4 video heads against 2 audio heads)."""
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+    from parity.golden import load_case, read_diffusers_dir
+
+    case_dir = Path(__file__).resolve().parents[1] / "golden" / "ltx2" / "tiny_split_forward"
+    r = CliRunner().invoke(cli, ["golden", str(case_dir)])
+    assert r.exit_code == 0, r.output
+    case = load_case(case_dir)
+    config, up_state = read_diffusers_dir(case)
+    cfg = SIDES.config_from_upstream(config)
+    assert cfg.rope_type == "split" and cfg.num_attention_heads != cfg.audio_num_attention_heads
+    state = SIDES.canonical_state(up_state, config)
+    inputs = dict(case.inputs)
+    out, _ = SIDES.forward("reference", dataclasses.replace(cfg, rope_type="interleaved"), state, inputs)
+    want = case.outputs["out"]
+    assert (out - want).norm() / want.norm() > 1e-3

@@ -1,5 +1,5 @@
 """Re-create golden/ltx2/ from upstream (diffusers:LTX2VideoTransformer3DModel, diffusers 0.42.1): seeded random weights on the
-tiny variant, the upstream forward with every module output hooked, frozen by `fvparity align --save`.
+tiny variants, the upstream forward with every module output hooked, frozen by `fvparity align --save`.
 
     python golden/ltx2/make_cases.py
 """
@@ -11,5 +11,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
-    sys.exit(subprocess.call([sys.executable, "-m", "parity.cli", "align", "ltx2", "--upstream", "diffusers:LTX2VideoTransformer3DModel",
-                              "--variant", "tiny", "--seed", "0", "--save", str(HERE / "tiny_forward"), "--force"]))
+    # tiny: interleaved RoPE, equal head counts; tiny-split: split RoPE, 4 video heads against 2 audio heads
+    for variant, case in (("tiny", "tiny_forward"), ("tiny-split", "tiny_split_forward")):
+        rc = subprocess.call([sys.executable, "-m", "parity.cli", "align", "ltx2", "--upstream",
+                              "diffusers:LTX2VideoTransformer3DModel", "--variant", variant, "--seed", "0", "--save",
+                              str(HERE / case), "--force"])
+        if rc:
+            sys.exit(rc)

@@ -63,10 +63,17 @@ class Ltx2Model(nn.Module):
 
         # 1. RoPE: each stream over its own axes; the cross-modal attention over time only, on a shared time base
         cross_base = max(c.pos_embed_max_pos, c.audio_pos_embed_max_pos)
-        video_rope = rope(video_coords, (c.pos_embed_max_pos, c.base_height, c.base_width), c.inner_dim, c.rope_theta)
-        audio_rope = rope(audio_coords, (c.audio_pos_embed_max_pos,), c.audio_inner_dim, c.rope_theta)
-        video_time_rope = rope(video_coords[:, 0:1], (cross_base,), c.audio_cross_attention_dim, c.rope_theta)
-        audio_time_rope = rope(audio_coords[:, 0:1], (cross_base,), c.audio_cross_attention_dim, c.rope_theta)
+        split = c.rope_type == "split"
+        video_rope = rope(video_coords, (c.pos_embed_max_pos, c.base_height, c.base_width), c.inner_dim, c.rope_theta,
+                          c.num_attention_heads if split else None)
+        audio_rope = rope(audio_coords, (c.audio_pos_embed_max_pos,), c.audio_inner_dim, c.rope_theta,
+                          c.audio_num_attention_heads if split else None)
+        # split RoPE: the video side of the cross-modal attention groups its (audio-width) channels by the VIDEO
+        # head count, though that attention has the audio stream's heads (upstream)
+        video_time_rope = rope(video_coords[:, 0:1], (cross_base,), c.audio_cross_attention_dim, c.rope_theta,
+                               c.num_attention_heads if split else None)
+        audio_time_rope = rope(audio_coords[:, 0:1], (cross_base,), c.audio_cross_attention_dim, c.rope_theta,
+                               c.audio_num_attention_heads if split else None)
 
         # 2. token and text projections
         x = linear(self.proj_in, hidden_states)
@@ -146,7 +153,7 @@ class Ltx2Model(nn.Module):
 # config values this port covers (LTX-2.0); the LTX-2.3 / 2.5 switches are refused by name
 UNSUPPORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1,
                "gated_attn": False, "cross_attn_mod": False, "audio_gated_attn": False,
-               "audio_cross_attn_mod": False, "rope_type": "interleaved", "use_prompt_embeddings": True,
+               "audio_cross_attn_mod": False, "use_prompt_embeddings": True,
                "perturbed_attn": False, "ff_bias": True, "audio_ff_bias": True, "norm_elementwise_affine": False,
                "attention_bias": True, "attention_out_bias": True, "qk_norm": "rms_norm_across_heads",
                "activation_fn": "gelu-approximate", "use_keyframes_abs_pos_embedding": False}
@@ -199,15 +206,24 @@ def feed_forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return linear(mod.net[2], F.gelu(linear(mod.net[0].proj, x), approximate="tanh"))
 
 
-def rope(coords: torch.Tensor, max_positions: tuple, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Interleaved RoPE (cos, sin) [B, N, dim] from [start, end) coordinates [B, P, N, 2]: each token sits at its
-    patch midpoint as a fraction of the base extent, mapped to [-1, 1]; frequencies theta^linspace(0, 1) * pi / 2
-    (float64, then float32: upstream), axis-minor; the dim % (2P) leftover channels lead, unrotated."""
+def rope(coords: torch.Tensor, max_positions: tuple, dim: int, theta: float,
+         split_heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (cos, sin) from [start, end) coordinates [B, P, N, 2]: each token sits at its patch midpoint as a
+    fraction of the base extent, mapped to [-1, 1]; frequencies theta^linspace(0, 1) * pi / 2 (float64, then
+    float32: upstream), axis-minor. Interleaved: [B, N, dim], the dim % (2P) leftover channels lead, unrotated.
+    Split (`split_heads`): [B, N, H, dim / 2H], padded to dim / 2 frequencies at the front, then cut per head."""
     pos = coords.mean(-1)                                                        # [B, P, N] midpoints
     axes = pos.shape[1]
     grid = torch.stack([pos[:, i] / max_positions[i] for i in range(axes)], dim=-1)        # [B, N, P]
     freqs = (theta ** torch.linspace(0.0, 1.0, dim // (2 * axes), dtype=torch.float64) * math.pi / 2).float()
     angles = ((grid[..., None] * 2 - 1) * freqs).transpose(-1, -2).flatten(2)    # [B, N, F * P], frequency-major
+    if split_heads is not None:
+        pad = dim // 2 - angles.shape[-1]
+        cos, sin = angles.cos(), angles.sin()
+        if pad:
+            cos = torch.cat([torch.ones_like(cos[..., :pad]), cos], -1)
+            sin = torch.cat([torch.zeros_like(sin[..., :pad]), sin], -1)
+        return cos.unflatten(-1, (split_heads, -1)), sin.unflatten(-1, (split_heads, -1))
     cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
     pad = dim % (2 * axes)
     if pad:
@@ -217,8 +233,12 @@ def rope(coords: torch.Tensor, max_positions: tuple, dim: int, theta: float) -> 
 
 
 def rotate(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Interleaved rotation over the full width (all heads at once): pairs (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)."""
+    """Interleaved rotation over the full width (all heads at once): pairs (x0, x1) -> (x0 c - x1 s, x1 c + x0 s).
+    Split (4-d freqs): each of the rope's heads' channels in two halves (a, b) -> (a c - b s, b c + a s), fp32."""
     cos, sin = freqs
+    if cos.ndim == 4:
+        a, b = x.float().unflatten(-1, (cos.shape[2], 2, -1)).unbind(-2)       # [B, S, H, r] each
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], -2).flatten(-3).to(x.dtype)
     x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack([-x1, x0], dim=-1).flatten(-2)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

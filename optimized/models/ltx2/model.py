@@ -56,10 +56,15 @@ class FastLtx2:
         text_keep = _keep(encoder_attention_mask)
         audio_text_keep = _keep(audio_encoder_attention_mask)
         common = max(c.pos_embed_max_pos, c.audio_pos_embed_max_pos)
-        rope_v = _rope(video_coords, (c.pos_embed_max_pos, c.base_height, c.base_width), c.inner_dim, c.rope_theta)
-        rope_a = _rope(audio_coords, (c.audio_pos_embed_max_pos,), c.audio_inner_dim, c.rope_theta)
-        rope_vt = _rope(video_coords[:, :1], (common,), c.audio_cross_attention_dim, c.rope_theta)
-        rope_at = _rope(audio_coords[:, :1], (common,), c.audio_cross_attention_dim, c.rope_theta)
+        # split RoPE cuts each table by the heads of the stream it came from (video heads for the video side of
+        # the cross-modal attention too)
+        split = c.rope_type == "split"
+        hs_v, hs_a = (hv, ha) if split else (None, None)
+        rope_v = _rope(video_coords, (c.pos_embed_max_pos, c.base_height, c.base_width), c.inner_dim, c.rope_theta,
+                       hs_v)
+        rope_a = _rope(audio_coords, (c.audio_pos_embed_max_pos,), c.audio_inner_dim, c.rope_theta, hs_a)
+        rope_vt = _rope(video_coords[:, :1], (common,), c.audio_cross_attention_dim, c.rope_theta, hs_v)
+        rope_at = _rope(audio_coords[:, :1], (common,), c.audio_cross_attention_dim, c.rope_theta, hs_a)
 
         x, a = self.lin("proj_in", hidden_states), self.lin("audio_proj_in", audio_hidden_states)
         tr("proj_in", x)
@@ -177,7 +182,7 @@ class FastLtx2:
 
 # the config this port covers (LTX-2.0); LTX-2.3 / 2.5 switches are refused by name
 PORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1, "gated_attn": False,
-          "cross_attn_mod": False, "audio_gated_attn": False, "audio_cross_attn_mod": False, "rope_type": "interleaved",
+          "cross_attn_mod": False, "audio_gated_attn": False, "audio_cross_attn_mod": False,
           "use_prompt_embeddings": True, "perturbed_attn": False, "ff_bias": True, "audio_ff_bias": True,
           "norm_elementwise_affine": False, "attention_bias": True, "attention_out_bias": True,
           "qk_norm": "rms_norm_across_heads", "activation_fn": "gelu-approximate",
@@ -215,8 +220,10 @@ def _mods(table: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (temb.view(B, T, table.shape[0], -1) + table).unbind(2)
 
 
-def _rope(coords: torch.Tensor, extent: tuple, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [B, N, dim] for interleaved pairs; leading dim % (2 * axes) channels pass through."""
+def _rope(coords: torch.Tensor, extent: tuple, dim: int, theta: float,
+          heads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, N, dim] for interleaved pairs; leading dim % (2 * axes) channels pass through. With `heads`
+    (split RoPE): [B, N, heads, dim / heads], each head's half-table twice (rotate-half form)."""
     n_axes = coords.shape[1]
     mid = (coords[..., 0] + coords[..., 1]) / 2.0                                   # [B, P, N]
     frac = mid / torch.tensor(extent[:n_axes], dtype=mid.dtype)[:, None]
@@ -224,6 +231,10 @@ def _rope(coords: torch.Tensor, extent: tuple, dim: int, theta: float) -> tuple[
     w = (base * torch.pi / 2.0).float()
     ang = (frac.permute(0, 2, 1)[..., None, :] * 2 - 1) * w[:, None]                 # [B, N, F, P]
     ang = ang.flatten(2)
+    if heads is not None:
+        ang = F.pad(ang, (dim // 2 - ang.shape[-1], 0))                     # angle 0: cos 1, sin 0
+        half_c, half_s = ang.cos().view(*ang.shape[:2], heads, -1), ang.sin().view(*ang.shape[:2], heads, -1)
+        return torch.cat([half_c, half_c], -1), torch.cat([half_s, half_s], -1)
     cos = torch.repeat_interleave(ang.cos(), 2, -1)
     sin = torch.repeat_interleave(ang.sin(), 2, -1)
     lead = dim - cos.shape[-1]
@@ -235,6 +246,10 @@ def _rope(coords: torch.Tensor, extent: tuple, dim: int, theta: float) -> tuple[
 
 def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     cos, sin = rope
+    if cos.ndim == 4:                                                      # split: rotate-half within each head
+        xh = x.float().view(*x.shape[:-1], cos.shape[2], -1)
+        first, second = xh.chunk(2, -1)
+        return (xh * cos + torch.cat((-second, first), -1) * sin).flatten(-2).to(x.dtype)
     pairs = x.view(*x.shape[:-1], -1, 2)
     turned = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).view_as(x)
     return (x.float() * cos + turned.float() * sin).to(x.dtype)
