@@ -2,12 +2,12 @@
 events out. It names no family: everything family-specific comes from the family's entry (`optimized.registry`).
 
     from optimized import Engine
-    engine = Engine.from_variant("tiny", seed=0)        # any family's variant ("tiny-2.1-t2v", "tiny-3b", ...)
+    engine = Engine.from_variant("cosmos3:tiny", seed=0)   # any family's variant ("wan:tiny-2.1-t2v", ...)
     engine = Engine.from_checkpoint("OUT")              # the family is read from the checkpoint
     result = engine.generate(request)                   # blocking; the request's type picks the loop
     handle = engine.submit(request); handle.cancel()    # streaming / cancellable
-    handle = engine.submit_video(num_frames=9, ...)     # a family's request builder ("video") -> submit
-    prog = engine.reason_then_generate(r, g)            # a family's program
+    handle = engine.submit_built("video", num_frames=9, ...)   # a family's request builder ("video") -> submit
+    prog = engine.run_program("reason_then_generate", r, g)    # a family's program; engine.loop("denoise"): a loop
 """
 
 from __future__ import annotations
@@ -298,19 +298,9 @@ class Engine:
                                  f"{sorted(self.family.programs)}")
         return self.family.programs[name](self, *args, **kw)
 
-    def __getattr__(self, name: str) -> Any:
-        """Family conveniences: `submit_<kind>(**kw)` for a request builder, `<program>(...)` for a program, and
-        `<loop name>` for a loop kernel (e.g. `engine.denoise`)."""
-        entry = self.__dict__.get("family")
-        if entry is None:
-            raise AttributeError(name)
-        if name.startswith("submit_") and name[7:] in entry.request_builders:
-            return lambda **kw: self.submit(self.build(name[7:], **kw))
-        if name in entry.programs:
-            return lambda *a, **kw: self.run_program(name, *a, **kw)
-        if name in entry.loops:
-            return self.loop(name)
-        raise AttributeError(f"Engine ({entry.name}) has no attribute {name!r}")
+    def submit_built(self, kind: str, **kw: Any) -> "RequestHandle":
+        """`submit(build(kind, **kw))`: a request from the family's builder `kind` (e.g. "video"), submitted."""
+        return self.submit(self.build(kind, **kw))
 
     def subscribe(self, fn: Callable[[Event], Any], prefix: str = "") -> Callable[[], None]:
         return self.bus.subscribe(fn, prefix)

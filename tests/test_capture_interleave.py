@@ -103,7 +103,7 @@ def _cosmos3_ar_calls():
     import optimized
     from manifests.cosmos3.reasoning import ReasonRequest
 
-    eng = optimized.Engine.from_variant("tiny", kv_block_size=4, batching="greedy")
+    eng = optimized.Engine.from_variant("cosmos3:tiny", kv_block_size=4, batching="greedy")
     g = torch.Generator().manual_seed(4)
     reqs = [ReasonRequest(prompt_ids=torch.randint(0, eng.model.cfg.vocab_size, (9,), generator=g),
                           max_new_tokens=4, seed=k) for k in range(2)]

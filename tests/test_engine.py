@@ -57,17 +57,17 @@ def test_invalid_request_refused_engine_keeps_serving(bad, message):
 def test_pixel_sizes_validated(sizes, message):
     eng = engine()
     with pytest.raises(RequestRejected, match=message):
-        eng.submit_video(text_ids=torch.arange(4), negative_text_ids=torch.arange(2), **sizes)
-    h = eng.submit_video(text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=5, height=32,
+        eng.submit_built("video", text_ids=torch.arange(4), negative_text_ids=torch.arange(2), **sizes)
+    h = eng.submit_built("video", text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=5, height=32,
                          width=48, num_steps=2)
     assert h.result()["latents"]["vision"].shape == (1, 4, 2, 2, 3)
 
 
 def test_request_that_can_never_fit_is_rejected_one_that_cannot_fit_now_waits():
     eng = engine()
-    state = eng.denoise.init_state(request())
-    held = eng.denoise.admission(state).device_bytes
-    need = held + eng.denoise.plan_step(state).resources.device_bytes   # held for life + its step's bytes
+    state = eng.loop("denoise").init_state(request())
+    held = eng.loop("denoise").admission(state).device_bytes
+    need = held + eng.loop("denoise").plan_step(state).resources.device_bytes   # held for life + its step's bytes
     small = engine(memory_budget_bytes=need - 1)
     with pytest.raises(RequestRejected, match="can never fit"):
         small.submit(request())
@@ -160,3 +160,15 @@ def test_failed_step_isolated_to_its_request(monkeypatch):
     eng.run_until_idle()
     assert bad.status == "failed" and "planted failure" in bad.record.error
     assert good.status == "completed"
+
+
+def test_family_parts_are_reached_by_explicit_methods_not_attribute_forwarding():
+    """No `__getattr__` magic on the engine: a typo is an AttributeError, and builders / programs / loops are reached
+    through `submit_built`, `run_program`, `loop` (names a reader can grep)."""
+    eng = engine()
+    assert "__getattr__" not in vars(type(eng))
+    with pytest.raises(AttributeError):
+        eng.denoise   # noqa: B018 - the loop is engine.loop("denoise")
+    with pytest.raises(AttributeError):
+        eng.submit_video   # noqa: B018
+    assert eng.loop("denoise") is not None

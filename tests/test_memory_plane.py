@@ -156,7 +156,7 @@ def test_sleep_refused_with_requests_in_flight():
 
 
 def cosmos3_run(eng: Engine):
-    h = eng.submit_video(text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=5, height=32,
+    h = eng.submit_built("video", text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=5, height=32,
                          width=32, num_steps=2, guidance_scale=3.0, seed=1)
     video = h.result()["latents"]["vision"]
     tokens = eng.generate(ReasonRequest(torch.arange(4), 3))

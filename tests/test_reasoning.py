@@ -38,7 +38,7 @@ def test_bad_reasoning_requests_refused(bad, message):
 
 def test_kv_blocks_reserved_at_admission_freed_on_cancel_and_completion():
     eng = engine(kv_blocks=12)
-    pool = eng.reasoning.pool
+    pool = eng.loop("reasoning").pool
     a = eng.submit_reasoning(ReasonRequest(torch.arange(6), 10))       # 16 tokens = 4 blocks
     b = eng.submit_reasoning(ReasonRequest(torch.arange(3) + 9, 20))   # 23 tokens = 6 blocks
     c = eng.submit_reasoning(ReasonRequest(torch.arange(5) + 1, 5))    # 10 tokens = 3 blocks: must wait

@@ -79,9 +79,9 @@ def test_engine_and_runtime_name_no_family():
 
 
 def test_from_variant_cosmos3_tiny_generates():
-    eng = Engine.from_variant("tiny", seed=0)
+    eng = Engine.from_variant("cosmos3:tiny", seed=0)
     assert eng.family.name == "cosmos3" and eng.model.weights_version == "random:cosmos3:tiny:0"
-    h = eng.submit_video(text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=5, height=32,
+    h = eng.submit_built("video", text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=5, height=32,
                          width=32, num_steps=2, guidance_scale=3.0, seed=1)
     assert h.result()["latents"]["vision"].shape == (1, eng.model.cfg.latent_channels, 2, 2, 2)
     with pytest.raises(RequestRejected, match="serves no"):
@@ -91,12 +91,12 @@ def test_from_variant_cosmos3_tiny_generates():
 def test_reason_then_generate_leaves_no_subscriber():
     from manifests.cosmos3.reasoning import ReasonRequest
     from manifests.cosmos3.sampling import Cosmos3GenerateRequest
-    eng = Engine.from_variant("tiny", seed=0, kv_block_size=4)
+    eng = Engine.from_variant("cosmos3:tiny", seed=0, kv_block_size=4)
     before = len(eng.bus._subs)
     gen = Cosmos3GenerateRequest(text_ids=torch.arange(3), negative_text_ids=torch.arange(2), latent_frames=1,
                                  latent_height=2, latent_width=2, num_steps=1, guidance_scale=1.0)
     for _ in range(2):
-        out = eng.reason_then_generate(ReasonRequest(torch.arange(4), 2), gen).result()
+        out = eng.run_program("reason_then_generate", ReasonRequest(torch.arange(4), 2), gen).result()
         assert out["generation"]["latents"]["vision"].isfinite().all()
     assert len(eng.bus._subs) == before
 
@@ -145,7 +145,7 @@ def test_unknown_and_ambiguous_variants_are_clear(monkeypatch):
     fams = dict(registry.families())
     twin = replace(fams["cosmos3"], name="cosmos3twin")
     monkeypatch.setattr(registry, "families", lambda: {**fams, "cosmos3twin": twin})
-    with pytest.raises(registry.UnknownFamily, match="'tiny' is ambiguous: families cosmos3, cosmos3twin.*family="):
+    with pytest.raises(registry.UnknownFamily, match="'tiny' is ambiguous: families cosmos3, .*cosmos3twin.*family="):
         Engine.from_variant("tiny")
     assert Engine.from_variant("tiny", family="cosmos3twin").family.name == "cosmos3twin"
 

@@ -160,7 +160,7 @@ def test_huge_video_request_rejected_before_any_allocation(monkeypatch):
     eng = engine()
     t0 = time.perf_counter()
     with pytest.raises(RequestRejected, match="frames exceeds the family limit of 1025"):
-        eng.submit_video(text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=6 * 10 ** 8 + 1,
+        eng.submit_built("video", text_ids=torch.arange(4), negative_text_ids=torch.arange(2), num_frames=6 * 10 ** 8 + 1,
                          height=32, width=32)
     wan = Engine.from_variant("tiny-2.1-t2v")
     with pytest.raises(RequestRejected, match="frames exceeds the family limit of 4093"):
@@ -193,7 +193,7 @@ def test_request_size_limits_enforced_at_submit(kind, kw, message):
 
 def test_reasoning_step_bytes_count_against_the_budget():
     eng = engine()
-    loop = eng.reasoning
+    loop = eng.loop("reasoning")
     req = ReasonRequest(torch.arange(40), 4)
     state = loop.init_state(req)
     held = loop.admission(state).device_bytes

@@ -109,3 +109,19 @@ def test_processors_agree_on_odd_sizes():
     proc = CLIPImageProcessorPil(size={"shortest_edge": 9}, crop_size={"height": 11, "width": 7})
     upstream = proc(images=[Image.fromarray(im) for im in images], return_tensors="pt")["pixel_values"]
     assert torch.equal(want, upstream)
+
+
+def test_unused_layers_are_declared_drops_not_loaded():
+    """The layer after the one the pipeline reads and post_layernorm: declared `drop` (their shapes are checked at
+    load, nothing of them is held); every other canonical key is loaded."""
+    from optimized.models.wan.image_encoder import clip_component
+    cfg = CLIP_VARIANTS["tiny"]
+    spec = clip_component(cfg)
+    drops = {t.sources[0] for t in spec.transforms if t.op == "drop"}
+    assert drops == {k for k in clip_vision_key_shapes(cfg) if k.startswith(("post_layernorm.", "encoder.layers.2."))}
+    fast = load_fast_clip(cfg, random_state_dict(clip_vision_key_shapes(cfg), 3))
+    assert not any(k.startswith(("post_layernorm.", "encoder.layers.2.")) for k in fast.params)
+    bad = random_state_dict(clip_vision_key_shapes(cfg), 3)
+    bad["post_layernorm.weight"] = torch.zeros(9)
+    with pytest.raises(Exception, match="post_layernorm.weight"):
+        load_fast_clip(cfg, bad)

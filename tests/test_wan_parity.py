@@ -114,6 +114,7 @@ FAULT_CASES = [  # (fault, level, variant, where it must be named)
     ("vae-perturbed-weight", "C0", T2V, "decoder.up_blocks.1"),
     ("dropped-cache", "C0", T2V, "decoder.conv_in"),
     ("rep-context", "C0", T2V, "decoder.up_blocks.0"),
+    ("clip-perturbed-weight", "C0", I2V, "encoder.layers.0"),
     ("expert-switch-late", "C1", A14B, "step 2: expert 1, reference expert 2"),
     ("text-padding-not-zeroed", "C1", T2V, "step 0, cond branch, DiT input text: text_encoder.padding"),
     ("rope-wrong-axis", "C1", I2V, "step 0, cond branch, layer blocks.0"),

@@ -147,7 +147,7 @@ def mfu(device: str, quick: bool) -> None:
     T, H, W = (2, 4, 6) if quick else (31, 45, 80)
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     for mode in (["eager", "compile"] + (["cuda"] if device != "cpu" else [])):
-        eng = Engine.from_variant("tiny" if quick else "nano", device=device, dtype=dtype)
+        eng = Engine.from_variant("cosmos3:tiny" if quick else "cosmos3:nano", device=device, dtype=dtype)
         eng.model.configure_graph(mode, cfg_policy="batched")
         g = torch.Generator().manual_seed(0)
         req = Cosmos3GenerateRequest(text_ids=torch.randint(0, cfg.vocab_size, (256,), generator=g),

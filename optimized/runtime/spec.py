@@ -15,7 +15,7 @@ import torch
 
 from optimized.runtime.cache import CacheKey
 
-LOAD_OPS = ("fuse_rows", "cast")
+LOAD_OPS = ("fuse_rows", "cast", "drop")
 
 
 class SpecError(ValueError):
@@ -57,6 +57,8 @@ class LoadTransform:
 
     op="fuse_rows": concatenate `sources` along dim 0 (in order) into `target`.
     op="cast":      exactly one source, renamed to `target`.
+    op="drop":      exactly one source, checked and not loaded (a stored weight the component never reads, e.g.
+                    the CLIP layer after the one the pipeline takes); `target` names why, as "<dropped>:<key>".
     dtype: None = the run dtype; a torch dtype name (e.g. "float32") pins it whatever the run dtype.
     """
 
@@ -71,8 +73,8 @@ class LoadTransform:
             raise SpecError(f"transform {self.name!r}: op must be one of {LOAD_OPS}, got {self.op!r}")
         if not self.sources or not self.target:
             raise SpecError(f"transform {self.name!r}: needs sources and a target")
-        if self.op == "cast" and len(self.sources) != 1:
-            raise SpecError(f"transform {self.name!r}: cast takes exactly one source, got {len(self.sources)}")
+        if self.op in ("cast", "drop") and len(self.sources) != 1:
+            raise SpecError(f"transform {self.name!r}: {self.op} takes exactly one source, got {len(self.sources)}")
         if self.op == "fuse_rows" and len(self.sources) < 2:
             raise SpecError(f"transform {self.name!r}: fuse_rows needs >= 2 sources")
         if len(set(self.sources)) != len(self.sources):
@@ -118,6 +120,8 @@ class ComponentSpec:
         shapes = self.canonical_shapes
         out: dict[str, tuple[int, ...]] = {}
         for t in self.transforms:
+            if t.op == "drop":
+                continue
             src = [shapes[s] for s in t.sources]
             out[t.target] = src[0] if t.op == "cast" else (sum(s[0] for s in src), *src[0][1:])
         return out
@@ -218,6 +222,8 @@ def apply_load_transforms(component: ComponentSpec, state_dict: Mapping[str, tor
     out: dict[str, torch.Tensor] = {}
     for t in component.transforms:
         target_dtype = _dtype(t.dtype) or dtype
+        if t.op == "drop":
+            continue
         if t.op == "cast":
             src = state_dict[t.sources[0]]
             x = src.to(device=device, dtype=target_dtype).contiguous()

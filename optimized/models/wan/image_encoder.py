@@ -3,7 +3,7 @@ WanImageToVideoPipeline feeds the DiT's image branch), batched, with an embeddin
 
 Load transforms (`clip_component`): per layer q / k / v fused row-wise into `self_attn.qkv` (one projection), every
 other key cast to the run dtype. The last encoder layer and `post_layernorm` never reach the pipeline's output, so
-they are not loaded (the component's keys stop at layer L-2). The processor (`CLIPPixels`) resizes with PIL's
+they are declared `drop` (checked, not loaded). The processor (`CLIPPixels`) resizes with PIL's
 bicubic filter (the library upstream uses) and crops / rescales / normalises in torch.
 """
 
@@ -29,8 +29,8 @@ def used_layers(cfg: CLIPVisionConfig) -> int:
 
 
 def clip_component(cfg: CLIPVisionConfig) -> ComponentSpec:
-    shapes = {k: v for k, v in clip_vision_key_shapes(cfg).items()
-              if not k.startswith(("post_layernorm.", f"encoder.layers.{cfg.num_layers - 1}."))}
+    shapes = clip_vision_key_shapes(cfg)
+    unused = ("post_layernorm.", f"encoder.layers.{cfg.num_layers - 1}.")   # after the layer the pipeline reads
     transforms, fused = [], set()
     for i in range(used_layers(cfg)):
         p = f"encoder.layers.{i}.self_attn"
@@ -38,7 +38,11 @@ def clip_component(cfg: CLIPVisionConfig) -> ComponentSpec:
             src = tuple(f"{p}.{n}_proj.{part}" for n in "qkv")
             transforms.append(LoadTransform(f"fuse.{p}.qkv.{part}", src, f"{p}.qkv.{part}", "fuse_rows"))
             fused.update(src)
-    transforms += [LoadTransform(f"cast.{k}", (k,), k, "cast") for k in shapes if k not in fused]
+    for k in shapes:
+        if k in fused:
+            continue
+        transforms.append(LoadTransform(f"drop.{k}", (k,), f"<dropped>:{k}", "drop") if k.startswith(unused) else
+                          LoadTransform(f"cast.{k}", (k,), k, "cast"))
     return ComponentSpec(IMAGE_ENCODER, "clip_vision", tuple(shapes.items()), tuple(transforms)).validate()
 
 
@@ -47,9 +51,7 @@ class CLIPVisionFast:
                  dtype: torch.dtype = torch.float32, cache_size: int = 64):
         self.cfg, self.device, self.dtype = cfg.validate(), torch.device(device), dtype
         self.component = clip_component(cfg)
-        wanted = {k for k, _ in self.component.key_shapes}
-        self.params = apply_load_transforms(self.component, {k: v for k, v in state.items() if k in wanted},
-                                            dtype=dtype, device=self.device)
+        self.params = apply_load_transforms(self.component, state, dtype=dtype, device=self.device)
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cache_size, self.forward_calls = cache_size, 0
 

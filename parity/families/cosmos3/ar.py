@@ -322,7 +322,7 @@ def ar_checks(prefix: str, cfg: Cosmos3Config, state, reference, dtype, device, 
     progress(f"[cosmos3 C1] {prefix}: reason_then_generate on one instance")
     eng = engine()
     template = denoise_request(cfg, 50)
-    prog = eng.reason_then_generate(reqs[0], template)
+    prog = eng.run_program("reason_then_generate", reqs[0], template)
     try:
         with planted(eng):
             out = prog.result()
