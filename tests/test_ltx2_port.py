@@ -1,8 +1,10 @@
 """ltx2 beyond the generated test: every planted fault (one per stream and one across them) fails C0 naming its
 layer; the audio output is a C0 check of its own (a fault that only the audio head sees fails); a text row with
 every key masked matches upstream's -10000 bias on the optimized side's boolean mask; configs this port does not
-cover are refused by name; and, against diffusers, align names a planted upstream difference in the audio stream
-and the kit's tiny config / identity manifest fit LTX-2's constructor and its top-level parameters."""
+cover are refused by name; the four golden cases (LTX-2.0, split RoPE, 2.3, 2.5 switches) pass and pin what they
+claim (the RoPE kind, each stream's sigma); and, against diffusers, align names a planted upstream difference in
+the audio stream, the hand-written switched keys equal upstream's, and the kit's tiny config / identity manifest
+fit LTX-2's constructor and its top-level parameters."""
 
 import dataclasses
 from pathlib import Path
@@ -60,9 +62,9 @@ def test_fully_masked_text_row_matches_the_reference():
 
 @pytest.mark.parametrize("side", ["reference", "optimized"])
 def test_unported_configs_are_refused_by_name(side):
-    cfg = dataclasses.replace(load_variant("tiny"), gated_attn=True, perturbed_attn=True)
+    cfg = dataclasses.replace(load_variant("tiny"), perturbed_attn=True, use_keyframes_abs_pos_embedding=True)
     state = SIDES.random_state(cfg, 0)
-    with pytest.raises(ValueError, match="not ported yet: gated_attn=True, perturbed_attn=True"):
+    with pytest.raises(ValueError, match="not ported yet: perturbed_attn=True, use_keyframes_abs_pos_embedding=True"):
         SIDES.forward(side, cfg, state, make_inputs(cfg, 0))
 
 
@@ -93,23 +95,63 @@ def test_kit_fits_ltx2_constructor_and_top_level_parameters():
     assert manifest.match("audio_scale_shift_table", config)[1] == "audio_scale_shift_table"
 
 
-def test_split_rope_golden_passes_and_tells_the_rope_kinds_apart():
-    """The split-RoPE case passes on both sides, and the same weights and inputs with interleaved RoPE miss its
-    output (so the case pins which RoPE is used, with 4 video heads against 2 audio heads)."""
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "ltx2"
+
+
+def test_every_golden_case_passes_both_sides():
     from click.testing import CliRunner
 
     from parity.cli import cli
+
+    cases = sorted(p for p in GOLDEN.iterdir() if (p / "case.json").is_file())
+    assert [p.name for p in cases] == ["tiny_23_forward", "tiny_25_forward", "tiny_forward", "tiny_split_forward"]
+    r = CliRunner().invoke(cli, ["golden", *map(str, cases)])
+    assert r.exit_code == 0 and "16/16 checks passed" in r.output, r.output
+
+
+def _case(name: str):
     from parity.golden import load_case, read_diffusers_dir
 
-    case_dir = Path(__file__).resolve().parents[1] / "golden" / "ltx2" / "tiny_split_forward"
-    r = CliRunner().invoke(cli, ["golden", str(case_dir)])
-    assert r.exit_code == 0, r.output
-    case = load_case(case_dir)
+    case = load_case(GOLDEN / name)
     config, up_state = read_diffusers_dir(case)
-    cfg = SIDES.config_from_upstream(config)
-    assert cfg.rope_type == "split" and cfg.num_attention_heads != cfg.audio_num_attention_heads
-    state = SIDES.canonical_state(up_state, config)
-    inputs = dict(case.inputs)
-    out, _ = SIDES.forward("reference", dataclasses.replace(cfg, rope_type="interleaved"), state, inputs)
+    return case, SIDES.config_from_upstream(config), SIDES.canonical_state(up_state, config), dict(case.inputs)
+
+
+def _misses(case, cfg, state, inputs) -> bool:
+    out, _ = SIDES.forward("reference", cfg, state, inputs)
     want = case.outputs["out"]
-    assert (out - want).norm() / want.norm() > 1e-3
+    return bool((out - want).norm() / want.norm() > 1e-3)
+
+
+def test_split_rope_case_tells_the_rope_kinds_apart():
+    """The same weights and inputs with interleaved RoPE miss the split case's output (4 video heads, 2 audio)."""
+    case, cfg, state, inputs = _case("tiny_split_forward")
+    assert cfg.rope_type == "split" and cfg.num_attention_heads != cfg.audio_num_attention_heads
+    assert _misses(case, dataclasses.replace(cfg, rope_type="interleaved"), state, inputs)
+
+
+def test_ltx23_case_reads_each_streams_sigma():
+    """LTX-2.3's text modulation follows sigma per stream: swapping video and audio sigma misses the case."""
+    case, cfg, state, inputs = _case("tiny_23_forward")
+    assert cfg.cross_attn_mod and cfg.gated_attn and not cfg.use_prompt_embeddings
+    assert not _misses(case, cfg, state, inputs)
+    swapped = {**inputs, "sigma": inputs["audio_sigma"], "audio_sigma": inputs["sigma"]}
+    assert _misses(case, cfg, state, swapped)
+
+
+@pytest.mark.upstream
+@pytest.mark.parametrize("switches", [dict(gated_attn=True), dict(audio_gated_attn=True), dict(cross_attn_mod=True),
+                                      dict(audio_cross_attn_mod=True),
+                                      dict(cross_attn_mod=True, use_prompt_adaln_single=False),
+                                      dict(ff_bias=False, audio_ff_bias=False), dict(use_prompt_embeddings=False)])
+def test_switched_keys_match_upstream(switches):
+    """manifests/ltx2/keys.py's hand-written switches (the scaffold fits int fields only) against upstream's own
+    state dict, on the config with unequal head counts."""
+    pytest.importorskip("diffusers")
+    from parity.port.upstream import resolve, shapes_of
+
+    from manifests.ltx2 import key_shapes
+
+    cfg = dataclasses.replace(load_variant("tiny-split"), **switches)
+    want = shapes_of(resolve("diffusers:LTX2VideoTransformer3DModel").build(cfg.to_dict()))
+    assert key_shapes(cfg) == want

@@ -146,6 +146,48 @@ def key_shapes(c: Ltx2Config) -> dict[str, tuple[int, ...]]:
         "audio_proj_out.weight": (c.audio_out_channels, inner),
         "audio_proj_out.bias": (c.audio_out_channels,),
     })
+    return _switched(c, shapes)
+
+
+def _switched(c: Ltx2Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The keys LTX-2.3 / 2.5's boolean switches add, resize or drop (written by hand: the scaffold fits shapes
+    on int fields only). Checked against upstream for each switch in tests/test_ltx2_port.py."""
+    dims = {"": c.num_attention_heads * c.attention_head_dim, "audio_": c.audio_num_attention_heads * c.audio_attention_head_dim}
+    gated = {"": c.gated_attn, "audio_": c.audio_gated_attn}
+    attn_stream = {"attn1": "", "attn2": "", "audio_to_video_attn": "", "audio_attn1": "audio_",
+                   "audio_attn2": "audio_", "video_to_audio_attn": "audio_"}   # whose gate switch, whose query width
+    heads = {"": c.num_attention_heads, "audio_": c.audio_num_attention_heads}
+    kv_heads = {"attn1": "", "attn2": "", "audio_to_video_attn": "audio_", "audio_attn1": "audio_",
+                "audio_attn2": "audio_", "video_to_audio_attn": "audio_"}
+    prompt_mod = c.cross_attn_mod or c.audio_cross_attn_mod
+    for m, mod in (("", c.cross_attn_mod), ("audio_", c.audio_cross_attn_mod)):
+        if mod:  # 9 modulation rows: 3 more for the text cross-attention's query
+            shapes[f"{m}time_embed.linear.weight"] = (9 * dims[m], dims[m])
+            shapes[f"{m}time_embed.linear.bias"] = (9 * dims[m],)
+        if prompt_mod and c.use_prompt_adaln_single:
+            n = f"{m}prompt_adaln."
+            shapes.update({n + "emb.timestep_embedder.linear_1.weight": (dims[m], 256),
+                           n + "emb.timestep_embedder.linear_1.bias": (dims[m],),
+                           n + "emb.timestep_embedder.linear_2.weight": (dims[m], dims[m]),
+                           n + "emb.timestep_embedder.linear_2.bias": (dims[m],),
+                           n + "linear.weight": (2 * dims[m], dims[m]), n + "linear.bias": (2 * dims[m],)})
+        if not c.use_prompt_embeddings:
+            for k in [k for k in shapes if k.startswith(f"{m}caption_projection.")]:
+                del shapes[k]
+    for i in range(c.num_layers):
+        b = f"transformer_blocks.{i}."
+        for m, mod in (("", c.cross_attn_mod), ("audio_", c.audio_cross_attn_mod)):
+            if mod:
+                shapes[f"{b}{m}scale_shift_table"] = (9, dims[m])
+            if prompt_mod:
+                shapes[f"{b}{m}prompt_scale_shift_table"] = (2, dims[m])
+        for attn, m in attn_stream.items():
+            if gated[m]:
+                shapes[f"{b}{attn}.to_gate_logits.weight"] = (heads[kv_heads[attn]], dims[m])
+                shapes[f"{b}{attn}.to_gate_logits.bias"] = (heads[kv_heads[attn]],)
+        for m, bias in (("", c.ff_bias), ("audio_", c.audio_ff_bias)):
+            if not bias:
+                del shapes[f"{b}{m}ff.net.0.proj.bias"], shapes[f"{b}{m}ff.net.2.bias"]
     return shapes
 
 

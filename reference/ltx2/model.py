@@ -40,14 +40,16 @@ class Ltx2Model(nn.Module):
         super().__init__()
         unsupported = [f"{k}={getattr(cfg, k)!r}" for k, ok in UNSUPPORTED.items() if getattr(cfg, k) != ok]
         if unsupported:
-            raise ValueError(f"ltx2 reference: not ported yet: {', '.join(unsupported)} (LTX-2.0 configs only)")
+            raise ValueError(f"ltx2 reference: not ported yet: {', '.join(unsupported)}")
         self.cfg = cfg
         _tree(self, key_shapes(cfg))
 
     def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                 timestep, audio_timestep=None, encoder_attention_mask=None, audio_encoder_attention_mask=None,
-                video_coords=None, audio_coords=None, trace=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Video tokens [B, N, in_channels] and audio tokens [B, M, audio_in_channels] -> both denoised, one step."""
+                video_coords=None, audio_coords=None, sigma=None, audio_sigma=None,
+                trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Video tokens [B, N, in_channels] and audio tokens [B, M, audio_in_channels] -> both denoised, one step.
+        `sigma` / `audio_sigma` [B] drive the text cross-attention's key / value modulation (LTX-2.3 only)."""
         c = self.cfg
         record = trace or (lambda name, t: None)
 
@@ -58,6 +60,7 @@ class Ltx2Model(nn.Module):
         if video_coords is None or audio_coords is None:
             raise ValueError("ltx2 reference: pass video_coords and audio_coords (LTX2Pipeline always does)")
         audio_timestep = timestep if audio_timestep is None else audio_timestep
+        audio_sigma = sigma if audio_sigma is None else audio_sigma
         text_bias = mask_to_bias(encoder_attention_mask, hidden_states.dtype)
         audio_text_bias = mask_to_bias(audio_encoder_attention_mask, audio_hidden_states.dtype)
 
@@ -80,10 +83,12 @@ class Ltx2Model(nn.Module):
         a = linear(self.audio_proj_in, audio_hidden_states)
         record("proj_in", x)
         record("audio_proj_in", a)
-        text = caption_projection(self.caption_projection, encoder_hidden_states)
-        audio_text = caption_projection(self.audio_caption_projection, audio_encoder_hidden_states)
-        record("caption_projection", text)
-        record("audio_caption_projection", audio_text)
+        text, audio_text = encoder_hidden_states, audio_encoder_hidden_states
+        if c.use_prompt_embeddings:  # LTX-2.0; 2.3's connectors project per modality instead
+            text = caption_projection(self.caption_projection, encoder_hidden_states)
+            audio_text = caption_projection(self.audio_caption_projection, audio_encoder_hidden_states)
+            record("caption_projection", text)
+            record("audio_caption_projection", audio_text)
 
         # 3. timestep conditioning, per modality: [B, T, k * D] (T = 1 or one per token)
         video_mod, video_emb = ada_single(self.time_embed, timestep, batch, x.dtype)
@@ -96,13 +101,21 @@ class Ltx2Model(nn.Module):
         audio_gate, _ = ada_single(self.av_cross_attn_audio_v2a_gate, audio_timestep * gate_factor, batch, a.dtype)
         record("time_embed", video_mod.flatten(0, 1))          # upstream's module returns [B * T, k * D]
         record("audio_time_embed", audio_mod.flatten(0, 1))
+        # LTX-2.3: the text keys / values are modulated too, by sigma through an AdaLN-single, or by a fixed
+        # per-layer table alone (use_prompt_adaln_single=False: cacheable across steps)
+        prompt_mod = c.cross_attn_mod or c.audio_cross_attn_mod
+        video_prompt = audio_prompt = None
+        if prompt_mod and c.use_prompt_adaln_single:
+            video_prompt, _ = ada_single(self.prompt_adaln, sigma, batch, x.dtype)
+            audio_prompt, _ = ada_single(self.audio_prompt_adaln, audio_sigma, batch, a.dtype)
 
         # 4. the blocks
         for i, blk in enumerate(self.transformer_blocks):
             eps = c.norm_eps
-            v_shift, v_scale, v_gate, v_shift_ff, v_scale_ff, v_gate_ff = modulation(blk.scale_shift_table, video_mod)
-            a_shift, a_scale, a_gate, a_shift_ff, a_scale_ff, a_gate_ff = modulation(blk.audio_scale_shift_table,
-                                                                                   audio_mod)
+            video_rows = modulation(blk.scale_shift_table, video_mod)     # 6 rows, 9 with cross_attn_mod
+            audio_rows = modulation(blk.audio_scale_shift_table, audio_mod)
+            v_shift, v_scale, v_gate, v_shift_ff, v_scale_ff, v_gate_ff = video_rows[:6]
+            a_shift, a_scale, a_gate, a_shift_ff, a_scale_ff, a_gate_ff = audio_rows[:6]
             # 4.1 self-attention, each stream with its own RoPE
             b = f"transformer_blocks.{i}."
             y = rms_norm(x, eps) * (1 + v_scale) + v_shift
@@ -111,11 +124,22 @@ class Ltx2Model(nn.Module):
             y = rms_norm(a, eps) * (1 + a_scale) + a_shift
             a = a + record_out(b + "audio_attn1", attention(blk.audio_attn1, y, y, c.audio_num_attention_heads,
                                                             audio_rope, audio_rope)) * a_gate
-            # 4.2 text cross-attention, ungated, no RoPE
-            x = x + record_out(b + "attn2", attention(blk.attn2, rms_norm(x, eps), text, c.num_attention_heads,
-                                                      bias=text_bias))
-            a = a + record_out(b + "audio_attn2", attention(blk.audio_attn2, rms_norm(a, eps), audio_text,
-                                                            c.audio_num_attention_heads, bias=audio_text_bias))
+            # 4.2 text cross-attention, no RoPE; ungated unless cross_attn_mod (then its query is modulated too)
+            kv, audio_kv = text, audio_text
+            if prompt_mod:  # both modalities' text is modulated when either switch is on (upstream)
+                kv = modulate_text(text, blk.prompt_scale_shift_table, video_prompt)
+                audio_kv = modulate_text(audio_text, blk.audio_prompt_scale_shift_table, audio_prompt)
+            y = rms_norm(x, eps)
+            if c.cross_attn_mod:
+                y = y * (1 + video_rows[7]) + video_rows[6]
+            o = record_out(b + "attn2", attention(blk.attn2, y, kv, c.num_attention_heads, bias=text_bias))
+            x = x + (o * video_rows[8] if c.cross_attn_mod else o)
+            y = rms_norm(a, eps)
+            if c.audio_cross_attn_mod:
+                y = y * (1 + audio_rows[7]) + audio_rows[6]
+            o = record_out(b + "audio_attn2", attention(blk.audio_attn2, y, audio_kv, c.audio_num_attention_heads,
+                                                        bias=audio_text_bias))
+            a = a + (o * audio_rows[8] if c.audio_cross_attn_mod else o)
             # 4.3 audio <-> video cross-attention (heads and width of the audio stream, time-only RoPE); both
             # directions read the streams as they were before either update (upstream normalises once)
             xn, an = rms_norm(x, eps), rms_norm(a, eps)
@@ -150,17 +174,21 @@ class Ltx2Model(nn.Module):
         return out, audio_out
 
 
-# config values this port covers (LTX-2.0); the LTX-2.3 / 2.5 switches are refused by name
+# config values this port covers (LTX-2.0, 2.3 and 2.5 switches ported); STG, keyframes, patches > 1 refused by name
 UNSUPPORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1,
-               "gated_attn": False, "cross_attn_mod": False, "audio_gated_attn": False,
-               "audio_cross_attn_mod": False, "use_prompt_embeddings": True,
-               "perturbed_attn": False, "ff_bias": True, "audio_ff_bias": True, "norm_elementwise_affine": False,
+               "perturbed_attn": False, "norm_elementwise_affine": False,
                "attention_bias": True, "attention_out_bias": True, "qk_norm": "rms_norm_across_heads",
                "activation_fn": "gelu-approximate", "use_keyframes_abs_pos_embedding": False}
 
 
 def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, mod.weight, mod.bias)
+    return F.linear(x, mod.weight, mod._parameters.get("bias"))     # ff_bias=False (LTX-2.5): no bias
+
+
+def modulate_text(text: torch.Tensor, table: torch.Tensor, temb: torch.Tensor | None) -> torch.Tensor:
+    """Text keys / values * (1 + scale) + shift; rows (shift, scale) of the table, plus sigma's AdaLN if given."""
+    shift, scale = modulation(table, temb) if temb is not None else table[None, None].unbind(2)
+    return text * (1 + scale) + shift
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -246,7 +274,8 @@ def rotate(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 
 def attention(attn: nn.Module, x: torch.Tensor, context: torch.Tensor, heads: int,
               q_rope=None, k_rope=None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """LTX-2 attention: q / k RMS-normalised across all heads (gain, eps 1e-6), then RoPE, then SDPA."""
+    """LTX-2 attention: q / k RMS-normalised across all heads (gain, eps 1e-6), then RoPE, then SDPA; gated
+    attention (LTX-2.3) scales each head's output by 2 sigmoid(a linear of the query input) before to_out."""
     q = F.rms_norm(linear(attn.to_q, x), attn.to_q.weight.shape[:1], attn.norm_q.weight, eps=1e-6)
     k = F.rms_norm(linear(attn.to_k, context), attn.to_k.weight.shape[:1], attn.norm_k.weight, eps=1e-6)
     v = linear(attn.to_v, context)
@@ -254,8 +283,10 @@ def attention(attn: nn.Module, x: torch.Tensor, context: torch.Tensor, heads: in
         q, k = rotate(q, q_rope), rotate(k, k_rope)
     n, s = x.shape[:2]
     q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    return linear(attn.to_out[0], o.transpose(1, 2).reshape(n, s, -1))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2)      # [B, S, H, d]
+    if "to_gate_logits" in attn._modules:
+        o = o * (2.0 * torch.sigmoid(linear(attn.to_gate_logits, x)))[..., None]
+    return linear(attn.to_out[0], o.reshape(n, s, -1))
 
 
 def load_model(cfg: Ltx2Config, state: dict[str, torch.Tensor], device: str = "cpu",

@@ -30,7 +30,7 @@ class FastLtx2:
     def __init__(self, cfg: Ltx2Config, params: dict[str, torch.Tensor], dtype: torch.dtype):
         bad = [f"{k}={getattr(cfg, k)!r}" for k, v in PORTED.items() if getattr(cfg, k) != v]
         if bad:
-            raise ValueError(f"ltx2 optimized: not ported yet: {', '.join(bad)} (LTX-2.0 configs only)")
+            raise ValueError(f"ltx2 optimized: not ported yet: {', '.join(bad)}")
         self.cfg, self.p, self.dtype = cfg, params, dtype
         P = params
         self.fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -45,13 +45,15 @@ class FastLtx2:
 
     def __call__(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                  timestep, audio_timestep=None, encoder_attention_mask=None, audio_encoder_attention_mask=None,
-                 video_coords=None, audio_coords=None, trace=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 video_coords=None, audio_coords=None, sigma=None, audio_sigma=None,
+                 trace=None) -> tuple[torch.Tensor, torch.Tensor]:
         c, P = self.cfg, self.p
         tr = trace or (lambda name, t: None)
         if video_coords is None or audio_coords is None:
             raise ValueError("ltx2 optimized: pass video_coords and audio_coords (LTX2Pipeline always does)")
         B = hidden_states.shape[0]
         t_audio = timestep if audio_timestep is None else audio_timestep
+        s_audio = sigma if audio_sigma is None else audio_sigma
         hv, ha = c.num_attention_heads, c.audio_num_attention_heads
         text_keep = _keep(encoder_attention_mask)
         audio_text_keep = _keep(audio_encoder_attention_mask)
@@ -69,18 +71,25 @@ class FastLtx2:
         x, a = self.lin("proj_in", hidden_states), self.lin("audio_proj_in", audio_hidden_states)
         tr("proj_in", x)
         tr("audio_proj_in", a)
-        ctx = self.lin("caption_projection.linear_2",
-                       F.gelu(self.lin("caption_projection.linear_1", encoder_hidden_states), approximate="tanh"))
-        actx = self.lin("audio_caption_projection.linear_2", F.gelu(
-            self.lin("audio_caption_projection.linear_1", audio_encoder_hidden_states), approximate="tanh"))
-        tr("caption_projection", ctx)
-        tr("audio_caption_projection", actx)
+        ctx, actx = encoder_hidden_states, audio_encoder_hidden_states
+        if c.use_prompt_embeddings:
+            ctx = self.lin("caption_projection.linear_2",
+                           F.gelu(self.lin("caption_projection.linear_1", ctx), approximate="tanh"))
+            actx = self.lin("audio_caption_projection.linear_2",
+                            F.gelu(self.lin("audio_caption_projection.linear_1", actx), approximate="tanh"))
+            tr("caption_projection", ctx)
+            tr("audio_caption_projection", actx)
 
         gate_mult = c.cross_attn_timestep_scale_multiplier / c.timestep_scale_multiplier
         (tv, ev), (cav, _), (gv, _) = self.time_mlps("video", timestep, gate_mult, B, x.dtype)
         (ta, ea), (caa, _), (ga, _) = self.time_mlps("audio", t_audio, gate_mult, B, a.dtype)
         tr("time_embed", tv.flatten(0, 1))
         tr("audio_time_embed", ta.flatten(0, 1))
+        text_mod = c.cross_attn_mod or c.audio_cross_attn_mod            # modulates both streams' text
+        pv = pa = None
+        if text_mod and c.use_prompt_adaln_single:
+            pv = self.ada("prompt_adaln", sigma, B, x.dtype)
+            pa = self.ada("audio_prompt_adaln", s_audio, B, a.dtype)
 
         eps = c.norm_eps
         for i in range(c.num_layers):
@@ -94,13 +103,21 @@ class FastLtx2:
             o = self.self_attn(b + "audio_attn1", _norm(a, eps) * (1 + ma[1]) + ma[0], ha, rope_a)
             tr(b + "audio_attn1", o)
             a = torch.addcmul(a, o, ma[2])
-            # text cross-attention
-            o = self.cross_attn(b + "attn2", _norm(x, eps), ctx, hv, keep=text_keep)
+            # text cross-attention (LTX-2.3: query modulated and gated, text modulated by sigma or a table)
+            kv, akv = ctx, actx
+            if text_mod:
+                kv = _text(ctx, P[b + "prompt_scale_shift_table"], pv)
+                akv = _text(actx, P[b + "audio_prompt_scale_shift_table"], pa)
+            y = _norm(x, eps)
+            o = self.cross_attn(b + "attn2", y * (1 + mv[7]) + mv[6] if c.cross_attn_mod else y, kv, hv,
+                                keep=text_keep)
             tr(b + "attn2", o)
-            x = x + o
-            o = self.cross_attn(b + "audio_attn2", _norm(a, eps), actx, ha, keep=audio_text_keep)
+            x = torch.addcmul(x, o, mv[8]) if c.cross_attn_mod else x + o
+            y = _norm(a, eps)
+            o = self.cross_attn(b + "audio_attn2", y * (1 + ma[7]) + ma[6] if c.audio_cross_attn_mod else y, akv, ha,
+                                keep=audio_text_keep)
             tr(b + "audio_attn2", o)
-            a = a + o
+            a = torch.addcmul(a, o, ma[8]) if c.audio_cross_attn_mod else a + o
             # audio <-> video, both from the same normalised streams
             vt, at = P[b + "video_a2v_cross_attn_scale_shift_table"], P[b + "audio_a2v_cross_attn_scale_shift_table"]
             sv, sa = _mods(vt[:4], cav), _mods(at[:4], caa)        # a2v scale, a2v shift, v2a scale, v2a shift
@@ -132,7 +149,13 @@ class FastLtx2:
 
     # ---- pieces ----
     def lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.p[name + ".weight"], self.p[name + ".bias"])
+        return F.linear(x, self.p[name + ".weight"], self.p.get(name + ".bias"))     # ff_bias=False: none
+
+    def ada(self, name: str, t: torch.Tensor, B: int, dtype: torch.dtype) -> torch.Tensor:
+        """One AdaLN-single's modulation [B, T, kD] (the prompt's, by sigma)."""
+        h = F.silu(self.lin(f"{name}.emb.timestep_embedder.linear_1", _sinusoid(t.flatten(), dtype)))
+        mod = self.lin(f"{name}.linear", F.silu(self.lin(f"{name}.emb.timestep_embedder.linear_2", h)))
+        return mod.view(B, -1, mod.shape[-1])
 
     def time_mlps(self, stream: str, t: torch.Tensor, gate_mult: float, B: int, dtype: torch.dtype):
         """The stream's three AdaLN-single MLPs (its modulation, the cross-modal scale / shift, the cross-modal
@@ -154,14 +177,14 @@ class FastLtx2:
 
     def self_attn(self, name: str, x: torch.Tensor, heads: int, rope) -> torch.Tensor:
         q, k, v = F.linear(x, *self.fused[name]).chunk(3, dim=-1)
-        return self._attend(name, q, k, v, heads, rope, rope, None)
+        return self._attend(name, x, q, k, v, heads, rope, rope, None)
 
     def cross_attn(self, name: str, x: torch.Tensor, ctx: torch.Tensor, heads: int, q_rope=None, k_rope=None,
                    keep: torch.Tensor | None = None) -> torch.Tensor:
         k, v = F.linear(ctx, *self.fused[name]).chunk(2, dim=-1)
-        return self._attend(name, self.lin(name + ".to_q", x), k, v, heads, q_rope, k_rope, keep)
+        return self._attend(name, x, self.lin(name + ".to_q", x), k, v, heads, q_rope, k_rope, keep)
 
-    def _attend(self, name, q, k, v, heads, q_rope, k_rope, keep) -> torch.Tensor:
+    def _attend(self, name, x, q, k, v, heads, q_rope, k_rope, keep) -> torch.Tensor:
         P = self.p
         q = F.rms_norm(q, q.shape[-1:], P[name + ".norm_q.weight"], 1e-6)     # across heads, eps fixed at 1e-6
         k = F.rms_norm(k, k.shape[-1:], P[name + ".norm_k.weight"], 1e-6)
@@ -169,7 +192,9 @@ class FastLtx2:
             q, k = _rotate(q, q_rope), _rotate(k, k_rope)
         B, N, _ = q.shape
         q, k, v = (t.view(B, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
-        o = attend(q, k, v, key_mask=keep)
+        o = attend(q, k, v, key_mask=keep)                                  # [B, H, N, d]
+        if name + ".to_gate_logits.weight" in P:                            # gated attention: 2 sigmoid per head
+            o = o * (2.0 * torch.sigmoid(self.lin(name + ".to_gate_logits", x))).transpose(1, 2)[..., None]
         return self.lin(name + ".to_out.0", o.transpose(1, 2).reshape(B, N, -1))
 
     def ff(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -180,15 +205,18 @@ class FastLtx2:
         return self.lin(prefix + "proj_out", torch.addcmul(shift, F.layer_norm(x, x.shape[-1:], eps=1e-6), 1 + scale))
 
 
-# the config this port covers (LTX-2.0); LTX-2.3 / 2.5 switches are refused by name
-PORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1, "gated_attn": False,
-          "cross_attn_mod": False, "audio_gated_attn": False, "audio_cross_attn_mod": False,
-          "use_prompt_embeddings": True, "perturbed_attn": False, "ff_bias": True, "audio_ff_bias": True,
+# what this port covers (the 2.3 / 2.5 switches are ported); STG, keyframes, patches > 1 are refused by name
+PORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1, "perturbed_attn": False,
           "norm_elementwise_affine": False, "attention_bias": True, "attention_out_bias": True,
           "qk_norm": "rms_norm_across_heads", "activation_fn": "gelu-approximate",
           "use_keyframes_abs_pos_embedding": False}
 TIME_MLPS = {"video": ("time_embed", "av_cross_attn_video_scale_shift", "av_cross_attn_video_a2v_gate"),
              "audio": ("audio_time_embed", "av_cross_attn_audio_scale_shift", "av_cross_attn_audio_v2a_gate")}
+
+
+def _text(ctx: torch.Tensor, table: torch.Tensor, temb: torch.Tensor | None) -> torch.Tensor:
+    shift, scale = _mods(table, temb) if temb is not None else table.unbind(0)    # rows: shift, scale
+    return torch.addcmul(shift, ctx, 1 + scale)
 
 
 def _cat(P: dict, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

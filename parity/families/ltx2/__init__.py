@@ -14,7 +14,7 @@ from parity.port.kit import PortedSides
 
 SIDES = PortedSides(family="ltx2", load_variant=load_variant, key_shapes=key_shapes, gains=GAINS,
                     make_inputs=make_inputs, reference=ref.load_model, optimized=opt.load_model,
-                    default_variants=("tiny", "tiny-split"), fault_key="transformer_blocks.1.scale_shift_table", fault_layer="transformer_blocks.1",
+                    default_variants=("tiny", "tiny-split", "tiny-2.3", "tiny-2.5"), fault_key="transformer_blocks.1.scale_shift_table", fault_layer="transformer_blocks.1",
                     # one negative control per stream and one across them: the audio head, audio feed-forward,
                     # the audio -> video attention
                     extra_faults=(("audio_proj_out.weight", "audio_proj_out"),

@@ -4,7 +4,8 @@ sides are called with these by name, so keep the upstream names.
 The RoPE coordinates are passed as tensors, as LTX2Pipeline does (it builds them once with the transformer's
 `rope.prepare_video_coords` / `audio_rope.prepare_audio_coords`); they are rebuilt here by the same arithmetic so
 that the positions are realistic. The video timestep is per token (the image-to-video shape, (B, N_video)), the
-audio one per sample ((B,)), so both modulation broadcasts are exercised; the text masks pad the second sample.
+audio one per sample ((B,)), so both modulation broadcasts are exercised; the text masks pad the second sample;
+`sigma` / `audio_sigma` differ, so a side that reads one for the other fails.
 """
 
 from __future__ import annotations
@@ -56,4 +57,7 @@ def make_inputs(cfg: Ltx2Config, seed: int, batch: int = 2) -> dict[str, torch.T
         "audio_encoder_attention_mask": mask.clone(),
         "video_coords": video_coords(cfg, batch),
         "audio_coords": audio_coords(cfg, batch),
+        # the text keys / values' modulation (LTX-2.3 configs; 2.0 ignores them), drawn last: earlier draws unchanged
+        "sigma": torch.rand(batch, generator=g),
+        "audio_sigma": torch.rand(batch, generator=g),
     }
