@@ -86,3 +86,36 @@ def test_lora_over_http(tmp_path):
         assert client.delete("/v1/loras/style").json()["deleted"] is True
         assert client.delete("/v1/loras/style").status_code == 404
         assert client.get("/v1/loras").json()["data"] == []
+
+
+def test_fvgen_lora_gives_the_golden(tmp_path, capsys):
+    """`fvgen wan --model DIR --lora FILE:0.7` on the golden's base model: its frames are those of the engine run with
+    the adapter, whose latents are diffusers' (golden/wan/lora_t2v, within its tolerance) - in one test."""
+    import numpy as np
+    from PIL import Image
+
+    from optimized.serving.fvgen import main as fvgen
+    from parity.families.wan.common import ModelUnderTest
+    from parity.families.wan.parallel import write_model_dir
+
+    case = load_case(CASE)
+    cfg, weights, request, _ = base_case(case)
+    model_dir = write_model_dir(ModelUnderTest("tiny-2.1-t2v", "model", cfg, weights), tmp_path / "model")
+    direct = Engine.from_checkpoint(model_dir)
+    direct.loras.load("style", LORA)
+    styled = dataclasses.replace(request, lora=(LoraRef("style", 0.7),))
+    latents = direct.generate(styled)["latents"]["vision"]
+    want = case.outputs["latents"]
+    assert ((latents - want).norm() / want.norm()).item() <= case.tolerance.rel_l2   # = diffusers' latents
+    frames = direct.generate_video(styled).frames                                    # uint8 [F, H, W, 3]
+    argv = ["wan", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, request.text_ids.tolist())),
+            "--negative-prompt-ids", ",".join(map(str, request.negative_text_ids.tolist())),
+            "--frames", str(request.num_frames), "--size", f"{request.width}x{request.height}",
+            "--steps", str(request.num_steps), "--guidance", str(request.guidance_scale), "--seed", str(request.seed),
+            "--lora", f"{LORA}:0.7", "--out", str(tmp_path / "frames"), "--quiet"]
+    assert fvgen(argv) == 0, capsys.readouterr().err
+    got = np.stack([np.asarray(Image.open(p)) for p in sorted((tmp_path / "frames").glob("frame_*.png"))])
+    assert got.shape == tuple(frames.shape) and np.array_equal(got, frames.numpy())
+    assert fvgen(argv[:-5] + ["--out", str(tmp_path / "plain"), "--quiet"]) == 0          # without the adapter
+    plain = np.stack([np.asarray(Image.open(p)) for p in sorted((tmp_path / "plain").glob("frame_*.png"))])
+    assert not np.array_equal(plain, got)
