@@ -140,17 +140,16 @@ def test_ltx23_case_reads_each_streams_sigma():
 
 
 @pytest.mark.upstream
-@pytest.mark.parametrize("switches", [dict(gated_attn=True), dict(audio_gated_attn=True), dict(cross_attn_mod=True),
-                                      dict(audio_cross_attn_mod=True),
-                                      dict(cross_attn_mod=True, use_prompt_adaln_single=False),
-                                      dict(ff_bias=False, audio_ff_bias=False), dict(use_prompt_embeddings=False)])
+@pytest.mark.parametrize("switches", [{"gated_attn": True}, {"audio_gated_attn": True}, {"cross_attn_mod": True},
+                                      {"audio_cross_attn_mod": True},
+                                      {"cross_attn_mod": True, "use_prompt_adaln_single": False},
+                                      {"ff_bias": False, "audio_ff_bias": False}, {"use_prompt_embeddings": False}])
 def test_switched_keys_match_upstream(switches):
     """manifests/ltx2/keys.py's hand-written switches (the scaffold fits int fields only) against upstream's own
     state dict, on the config with unequal head counts."""
     pytest.importorskip("diffusers")
-    from parity.port.upstream import resolve, shapes_of
-
     from manifests.ltx2 import key_shapes
+    from parity.port.upstream import resolve, shapes_of
 
     cfg = dataclasses.replace(load_variant("tiny-split"), **switches)
     want = shapes_of(resolve("diffusers:LTX2VideoTransformer3DModel").build(cfg.to_dict()))

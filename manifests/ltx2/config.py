@@ -64,7 +64,7 @@ class Ltx2Config:
     use_prompt_adaln_single: bool = True
     use_keyframes_abs_pos_embedding: bool = False
 
-    def validate(self) -> "Ltx2Config":
+    def validate(self) -> Ltx2Config:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, int) and not isinstance(v, bool) and v < 0:
@@ -85,11 +85,11 @@ class Ltx2Config:
         return config_to_dict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Ltx2Config":
+    def from_dict(cls, d: dict[str, Any]) -> Ltx2Config:
         return config_from_dict(cls, d, "ltx2")
 
     @classmethod
-    def from_diffusers_config(cls, d: dict[str, Any]) -> "Ltx2Config":
+    def from_diffusers_config(cls, d: dict[str, Any]) -> Ltx2Config:
         """An upstream config.json (diffusers' `_class_name`, `_diffusers_version` ... dropped)."""
         if d.get("_class_name", UPSTREAM_CLASS) != UPSTREAM_CLASS:
             raise ManifestError(f"_class_name is {d['_class_name']!r}, not {UPSTREAM_CLASS}")

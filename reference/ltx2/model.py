@@ -1,18 +1,21 @@
 """ltx2 reference model: diffusers:LTX2VideoTransformer3DModel (diffusers 0.42.1), written to be read top to bottom.
 
 The weights live under their canonical names (manifests/ltx2/keys.py) as a tree of modules built from the keys:
-`self.<path>.weight`, a numbered level is an nn.ModuleList. Write `forward`; call `trace(name, tensor)` with the
-canonical module name for every output worth localising (each block at least): C0 and `fvparity align` name the
-first one that diverges.
+`self.<path>.weight`, a numbered level is an nn.ModuleList. One call denoises both streams of LTX-2: video tokens
+and audio tokens, each with its own AdaLN-single timestep conditioning, self-attention (own RoPE) and text
+cross-attention, then audio <-> video cross-attention over time only, then feed-forward. `trace(name, tensor)` gets
+the canonical module names upstream's modules have (embedders, each attention and feed-forward, each block, the
+heads) plus `transformer_blocks.<i>.audio` (the block's audio stream), so C0 and `fvparity align` name the first
+one that diverges.
 """
 
 from __future__ import annotations
 
-import math  # noqa: F401 - for the forward
+import math
 
 import torch
 from torch import nn
-from torch.nn import functional as F  # noqa: F401 - for the forward
+from torch.nn import functional as F
 
 from manifests.ltx2 import Ltx2Config, key_shapes
 

@@ -1,16 +1,16 @@
 """ltx2 fast model: diffusers:LTX2VideoTransformer3DModel on the runtime path, written independently of reference/.
 
 The weights are a flat dict of canonical names -> tensors after the ComponentSpec's declared load transforms (cast,
-fp32 pins from manifests/ltx2/keys.py fp32_keys; fuse here when it pays). Write `forward`; call
-`trace(name, tensor)` under the same canonical names as the reference.
+fp32 pins from manifests/ltx2/keys.py fp32_keys), fused once at load (FastLtx2). `trace(name, tensor)` under the
+same canonical names as the reference.
 """
 
 from __future__ import annotations
 
-import math  # noqa: F401 - for the forward
+import math
 
 import torch
-from torch.nn import functional as F  # noqa: F401 - for the forward
+from torch.nn import functional as F
 
 from manifests.ltx2 import Ltx2Config, fp32_keys, key_shapes
 from optimized.attention import attend

@@ -4,12 +4,12 @@ post-check, and what `fvparity align` reads (`SIDES`)."""
 
 from __future__ import annotations
 
-import reference.ltx2 as ref
 import optimized.models.ltx2 as opt
+import reference.ltx2 as ref
 from manifests.ltx2 import key_shapes, list_variants, load_variant
 from manifests.ltx2.keys import GAINS
-from parity.family import Fault, ParityFamily
 from parity.families.ltx2.inputs import make_inputs
+from parity.family import Fault, ParityFamily
 from parity.port.kit import PortedSides
 
 SIDES = PortedSides(family="ltx2", load_variant=load_variant, key_shapes=key_shapes, gains=GAINS,
