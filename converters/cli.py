@@ -252,10 +252,10 @@ def _make_family_command(fam_name: str) -> click.Command:
 def _convert_pipeline(fam_name, src, out, variant, dtype, force, allow_nonfinite, skip_parity, max_shard_size,
                       quiet) -> int:
     """A diffusers pipeline root -> one canonical model directory (converters/pipeline.py)."""
-    from converters.pipeline import PIPELINE_FAMILIES, convert_pipeline
+    from converters.pipeline import convert_pipeline, pipeline_families
 
-    if variant is not None and fam_name in PIPELINE_FAMILIES:
-        known = PIPELINE_FAMILIES[fam_name].variants()
+    if variant is not None and fam_name in pipeline_families():
+        known = pipeline_families()[fam_name].variants()
         if variant not in known:
             raise ConversionError(f"unknown model variant {variant!r} for {fam_name}; known: {', '.join(known)}")
     shard_bytes = parse_size(max_shard_size) if max_shard_size else DEFAULT_MAX_SHARD_BYTES

@@ -688,8 +688,11 @@ def check_against_family(m: CheckpointManifest, family) -> CheckpointManifest:
     return m
 
 
-# other names a format goes by: cosmos-framework's own name for its layout
-FORMAT_ALIASES: dict[str, dict[str, str]] = {"cosmos3": {"cosmos_framework": "framework"}}
+def format_aliases(family: str) -> dict[str, str]:
+    """Other names a format of `family` goes by (its layout's `format_aliases`, e.g. cosmos3's cosmos_framework)."""
+    from manifests.layouts import family_layouts
+    lay = family_layouts().get(family)
+    return dict(lay.format_aliases) if lay is not None else {}
 
 
 def load_manifest(family: str, fmt: str) -> CheckpointManifest:
@@ -702,7 +705,7 @@ def load_manifest(family: str, fmt: str) -> CheckpointManifest:
         m = load_manifest_file(fmt)
         return check_against_family(m, get_family(family, m.component))
     known = family_formats(family)
-    fmt = FORMAT_ALIASES.get(family, {}).get(fmt, fmt)
+    fmt = format_aliases(family).get(fmt, fmt)
     if fmt not in known:
         raise ConversionError(f"unknown format {fmt!r} for {family}; known formats: {', '.join(known) or 'none'}")
     m = load_manifest_file(fam.checkpoints_dir / f"{fmt}.json")

@@ -29,7 +29,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from converters.engine import (DEFAULT_MAX_SHARD_BYTES, MANIFEST_NAME, REPORT_NAME, ConversionReport, PostCheck,
                                Progress, _prepare, check_output, staged_output, write_component)
@@ -38,25 +38,24 @@ from converters.manifest import load_manifest
 from converters.readers import open_weights, weight_kind_of
 from converters.writer import json_bytes, write_bytes
 from manifests.checkpoint import FORMAT_VERSION, MODEL_INDEX, weights_version_of
-from manifests.errors import ManifestError
+from manifests.errors import PipelineError
+from manifests.layouts import PipelineLayout, family_layouts
 
 PIPELINE = "pipeline"
-# `--from NAME` aliases: the formats NAME may mean; detection picks one by the source's config / keys
-ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
-    "wan": {"diffusers": ("diffusers", "diffusers-transformer", "transformers-umt5", "transformers-clip"),
-            "transformers": ("transformers-umt5", "transformers-clip"),
-            "original": ("original", "original-dit", "original-umt5")},
-}
-WAN_PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"}
-WAN_COMPONENTS = {"transformer": ("wan", "diffusers-transformer"), "transformer_2": ("wan", "diffusers-transformer"),
-                  "text_encoder": ("wan", "transformers-umt5"), "vae": ("wan", "diffusers"),
-                  "image_encoder": ("wan", "transformers-clip")}       # 2.1 I2V: transformers CLIPVisionModel
-WAN_ASSETS = {"tokenizer": "tokenizer", "scheduler": "scheduler"}
-# copied verbatim when the pipeline lists them; 2.1 I2V's CLIPImageProcessor config is also read into the model config
-WAN_OPTIONAL_ASSETS = {"image_processor": "image_processor"}
-WAN_NOT_CONVERTED: dict[str, str] = {}
-PREPROCESSOR_CONFIG = "preprocessor_config.json"
-SCHEDULERS = {"UniPCMultistepScheduler": ("unipc", "flow_shift"), "FlowMatchEulerDiscreteScheduler": ("euler", "shift")}
+PipelineSpec = PipelineLayout   # how one family's diffusers pipeline root becomes a model directory
+
+
+def pipeline_families() -> dict[str, PipelineLayout]:
+    """{family: its pipeline layout}, from each family's manifests/<family>/layout.py `LAYOUT.pipeline` (no table
+    here names a family)."""
+    return {name: lay.pipeline for name, lay in family_layouts().items() if lay.pipeline is not None}
+
+
+def source_aliases(family: str) -> dict[str, tuple[str, ...]]:
+    """`--from NAME` aliases of `family` (its layout's `source_aliases`): the formats NAME may mean; detection
+    picks one by the source's config / keys."""
+    lay = family_layouts().get(family)
+    return dict(lay.source_aliases) if lay is not None else {}
 
 
 def _json(path: Path, what: str) -> dict:
@@ -131,9 +130,9 @@ def detect_format(family: str, fmt: str, src: str | Path) -> str:
     """The format name `--from fmt` means for SRC, or PIPELINE for a diffusers pipeline root. A name that is no
     alias (or a manifest path) is returned unchanged."""
     src = Path(src)
-    if fmt == "diffusers" and family in PIPELINE_FAMILIES and _is_pipeline_root(src):
+    if fmt == "diffusers" and family in pipeline_families() and _is_pipeline_root(src):
         return PIPELINE
-    cands = ALIASES.get(family, {}).get(fmt)
+    cands = source_aliases(family).get(fmt)
     if cands is None or not src.exists():
         return fmt
     if len(cands) == 1:
@@ -175,135 +174,6 @@ def _listed(index: dict, name: str) -> bool:
     return isinstance(entry, list) and entry not in ([None, None], [])
 
 
-def _wan_precheck(index: dict, root: Path) -> None:
-    """A Wan 2.1 I2V root (its DiT has an image branch) must hold the CLIP image encoder and its processor: the model
-    computes the image embeddings from each request's image with them (one error naming what is missing)."""
-    try:
-        image_dim = json.loads((root / "transformer" / "config.json").read_text()).get("image_dim")
-    except (OSError, ValueError, AttributeError):
-        return      # the transformer's own conversion says what is wrong with it
-    if image_dim is None:
-        return
-    lacking = [f"{name}/ ({what})" for name, what, need in (
-        ("image_encoder", "a transformers CLIPVisionModel", "config.json"),
-        ("image_processor", "a CLIPImageProcessor", PREPROCESSOR_CONFIG))
-        if not (_listed(index, name) and (root / name / need).is_file())]
-    if lacking:
-        raise ConversionError(f"{root}: a Wan 2.1 I2V pipeline (its transformer has an image branch, image_dim "
-                              f"{image_dim}) needs {' and '.join(lacking)}: the model computes each request's image "
-                              f"embeddings with them; convert the complete diffusers pipeline root")
-
-
-def _wan_image_processor(index: dict, root: Path) -> Any:
-    from manifests.wan.clip import CLIPImageProcessorConfig
-    if not _listed(index, "image_processor"):
-        return None
-    path = root / "image_processor" / PREPROCESSOR_CONFIG
-    try:
-        return CLIPImageProcessorConfig.from_preprocessor_config(_json(path, "image processor config"))
-    except ManifestError as e:
-        raise ConversionError(f"{path}: {e}") from None
-
-
-def _wan_model_config(index: dict, root: Path, cfgs: dict[str, Any], variant: str | None) -> tuple[Any, str]:
-    from manifests.wan.model import WanModelConfig, load_model_variant
-
-    cls = index.get("_class_name")
-    if cls not in WAN_PIPELINES:
-        raise ConversionError(f"{root / MODEL_INDEX}: _class_name {cls!r} is not a wan pipeline this converter knows "
-                              f"({', '.join(WAN_PIPELINES)})")
-    expand = bool(index.get("expand_timesteps") or False)
-    task = "ti2v" if expand else WAN_PIPELINES[cls]   # Wan2.2 TI2V 5B is a WanPipeline with expand_timesteps
-    sched_path = root / "scheduler" / "scheduler_config.json"
-    sched = _json(sched_path, "scheduler config")
-    if sched.get("_class_name") not in SCHEDULERS:
-        raise ConversionError(f"{sched_path}: scheduler {sched.get('_class_name')!r} is not one the wan model knows "
-                              f"({', '.join(SCHEDULERS)})")
-    solver, shift_field = SCHEDULERS[sched["_class_name"]]
-    base = load_model_variant(variant) if variant else None
-    try:
-        cfg = WanModelConfig(
-            task=task, dit=cfgs["transformer"], text_encoder=cfgs["text_encoder"], vae=cfgs["vae"],
-            dit_2=cfgs.get("transformer_2"),
-            boundary_ratio=index.get("boundary_ratio") if "transformer_2" in cfgs else None,
-            expand_timesteps=expand,
-            # not in the pipeline files (a __call__ argument, default 512): from --variant when given
-            max_sequence_length=base.max_sequence_length if base else 512,
-            num_train_timesteps=int(sched.get("num_train_timesteps", 1000)),
-            flow_shift=float(sched.get(shift_field, 1.0)), solver=solver,
-            image_encoder=cfgs.get("image_encoder"), image_processor=_wan_image_processor(index, root)).validate()
-    except ManifestError as e:
-        raise ConversionError(f"{root}: the pipeline does not make a valid wan model: {e}") from None
-    if base is not None and base != cfg:
-        a, b = cfg.to_dict(), base.to_dict()
-        diffs = [f"{k}" for k in b if a.get(k) != b.get(k)]
-        raise ConversionError(f"{root}: the converted model is not variant {variant!r}: differs in {', '.join(diffs)}")
-    return cfg, cls
-
-
-COSMOS3_PIPELINES = ("Cosmos3OmniPipeline",)
-COSMOS3_COMPONENTS = {"transformer": ("cosmos3", "diffusers"), "vae": ("wan", "diffusers"),  # AutoencoderKLWan
-                      "sound_tokenizer": ("cosmos3", "diffusers-sound")}
-COSMOS3_ASSETS = {"text_tokenizer": "tokenizer", "scheduler": "scheduler"}   # pipeline entry -> OUT folder
-COSMOS3_NOT_CONVERTED = {
-    "safety_checker": "the guardrail models are not part of the canonical cosmos3 model",
-}
-
-
-def _cosmos3_model_config(index: dict, root: Path, cfgs: dict[str, Any], variant: str | None) -> tuple[Any, str]:
-    from manifests.cosmos3.model import Cosmos3ModelConfig, unipc_from_scheduler_config
-
-    cls = index.get("_class_name")
-    if cls not in COSMOS3_PIPELINES:
-        raise ConversionError(f"{root / MODEL_INDEX}: _class_name {cls!r} is not a cosmos3 pipeline this converter "
-                              f"knows ({', '.join(COSMOS3_PIPELINES)})")
-    sched_path = root / "scheduler" / "scheduler_config.json"
-    try:
-        # use_native_flow_schedule is a pipeline option (model_index.json), not a scheduler setting (upstream)
-        scheduler = unipc_from_scheduler_config(_json(sched_path, "scheduler config"),
-                                                bool(index.get("use_native_flow_schedule") or False))
-        cfg = Cosmos3ModelConfig(transformer=cfgs["transformer"], vae=cfgs["vae"],
-                                 sound=cfgs.get("sound_tokenizer"), scheduler=scheduler).validate()
-    except ManifestError as e:
-        raise ConversionError(f"{root}: the pipeline does not make a valid cosmos3 model: {e}") from None
-    if variant is not None:
-        from manifests.cosmos3.config import load_variant
-        if load_variant(variant) != cfg.transformer:
-            raise ConversionError(f"{root}: the converted transformer is not variant {variant!r}")
-    return cfg, cls
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """How one family's diffusers pipeline root becomes a model directory."""
-    components: dict[str, tuple[str, str]]        # pipeline entry -> (converter family, format) it is written with
-    required: tuple[str, ...]                     # entries the model cannot do without
-    assets: dict[str, str]                        # pipeline entry copied verbatim -> its folder in OUT
-    not_converted: dict[str, str]                 # entries deliberately left out -> why
-    model_config: Callable[..., tuple[Any, str]]  # (model_index, root, {entry: config}, variant) -> (config, class)
-    variants: Callable[[], list[str]]             # what --variant may name
-    optional_assets: dict[str, str] = field(default_factory=dict)   # copied verbatim when the pipeline lists them
-    precheck: Callable[[dict, Path], None] = lambda index, root: None  # (model_index, root): refuse before planning
-
-
-def _wan_variants() -> list[str]:
-    from manifests.wan.model import list_model_variants
-    return list_model_variants()
-
-
-def _cosmos3_variants() -> list[str]:
-    from manifests.cosmos3.config import list_variants
-    return list_variants()
-
-
-PIPELINE_FAMILIES: dict[str, PipelineSpec] = {
-    "wan": PipelineSpec(WAN_COMPONENTS, ("transformer", "text_encoder", "vae"), WAN_ASSETS, WAN_NOT_CONVERTED,
-                        _wan_model_config, _wan_variants, WAN_OPTIONAL_ASSETS, _wan_precheck),
-    "cosmos3": PipelineSpec(COSMOS3_COMPONENTS, ("transformer", "vae"), COSMOS3_ASSETS, COSMOS3_NOT_CONVERTED,
-                            _cosmos3_model_config, _cosmos3_variants),
-}
-
-
 def _hash(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -323,12 +193,16 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
     t0 = time.time()
     say = progress or (lambda _m: None)
     src, out = Path(src), Path(out)
-    spec = PIPELINE_FAMILIES.get(family)
+    known = pipeline_families()
+    spec = known.get(family)
     if spec is None:
-        raise ConversionError(f"{family}: whole-pipeline conversion is not defined (known: {', '.join(PIPELINE_FAMILIES)})")
+        raise ConversionError(f"{family}: whole-pipeline conversion is not defined (known: {', '.join(known)})")
     check_output(src, out, force)
     index = _json(src / MODEL_INDEX, "pipeline model_index.json")
-    spec.precheck(index, src)
+    try:
+        spec.precheck(index, src)
+    except PipelineError as e:
+        raise ConversionError(str(e)) from None
     assets_here = {**spec.assets, **{e: n for e, n in spec.optional_assets.items() if _listed(index, e)}}
     present: dict[str, str] = {}
     not_converted: dict[str, str] = {}
@@ -355,11 +229,14 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
     try:
         for name, (of_family, want) in present.items():        # plan everything before writing anything
             fmt = detect_format(of_family, "diffusers", src / name)
-            if of_family in ALIASES and fmt != want:       # a family with aliases says which format a folder holds
+            if source_aliases(of_family) and fmt != want:   # a family with aliases says which format a folder holds
                 raise ConversionError(f"{src / name}: expected a {want} folder for {name!r}, its config says {fmt}")
             prepared[name] = _prepare(of_family, want, src / name, None, dtype, False, None)
         cfgs = {name: p[4].cfg for name, p in prepared.items()}
-        cfg, cls = spec.model_config(index, src, cfgs, variant)
+        try:
+            cfg, cls = spec.model_config(index, src, cfgs, variant)
+        except PipelineError as e:
+            raise ConversionError(str(e)) from None
         reports: dict[str, ConversionReport] = {}
         with staged_output(out) as tmp:
             for name, p in prepared.items():
@@ -409,5 +286,5 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
     return report
 
 
-__all__ = ["ALIASES", "PIPELINE", "PIPELINE_FAMILIES", "PipelineReport", "PipelineSpec", "convert_pipeline",
+__all__ = ["PIPELINE", "pipeline_families", "source_aliases", "PipelineReport", "PipelineSpec", "convert_pipeline",
            "detect_format"]

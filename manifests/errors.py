@@ -17,3 +17,8 @@ class CheckpointError(ManifestError):
 
     def __init__(self, msg: str):
         super().__init__(" ".join(str(msg).split()))
+
+
+class PipelineError(ValueError):
+    """A diffusers pipeline root a family's pipeline layout refuses (the converter reports it as a conversion
+    error). Not a ManifestError: a config error inside it is reported with the pipeline's context, once."""

@@ -126,10 +126,28 @@ class ModelLayout:
 
 
 @dataclass(frozen=True)
+class PipelineLayout:
+    """How the family's diffusers pipeline root becomes one model directory (converters/pipeline.py runs it).
+    `model_config` and `precheck` raise ManifestError (the converter reports it as a conversion error)."""
+    components: Mapping[str, tuple[str, str]]       # pipeline entry -> (converter family, format) it is written with
+    required: tuple[str, ...]                       # entries the model cannot do without
+    assets: Mapping[str, str]                       # pipeline entry copied verbatim -> its folder in OUT
+    not_converted: Mapping[str, str]                # entries deliberately left out -> why
+    model_config: Callable[..., tuple[Any, str]]    # (model_index, root, {entry: config}, variant) -> (config, class)
+    variants: Callable[[], list[str]]               # what --variant may name
+    optional_assets: Mapping[str, str] = field(default_factory=dict)   # copied verbatim when the pipeline lists them
+    precheck: Callable[[dict, Any], None] = lambda index, root: None   # (model_index, root): refuse before planning
+
+
+@dataclass(frozen=True)
 class FamilyLayout:
     name: str
     components: tuple[ComponentLayout, ...]                  # the first is the family's default component
     model: ModelLayout | None = None                         # None: no whole-model directory format
+    pipeline: PipelineLayout | None = None                   # None: no whole-pipeline conversion
+    # `--from NAME` aliases: the formats NAME may mean (detection picks one by the source's config / keys)
+    source_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    format_aliases: Mapping[str, str] = field(default_factory=dict)   # other names a format goes by
 
     @property
     def default_component(self) -> str:
@@ -210,5 +228,5 @@ def family_layouts() -> dict[str, FamilyLayout]:
     return discover_layouts()
 
 
-__all__ = ["VARIANT_SEP", "bare_variant", "split_variant", "ComponentLayout", "DEFAULT_GAINS", "FamilyLayout", "LayoutError", "ModelLayout", "NO_LAYERS", "Part",
+__all__ = ["VARIANT_SEP", "bare_variant", "split_variant", "ComponentLayout", "DEFAULT_GAINS", "FamilyLayout", "PipelineLayout", "LayoutError", "ModelLayout", "NO_LAYERS", "Part",
            "discover_layouts", "family_layouts", "part_names", "part_of", "split_by_part"]

@@ -12,7 +12,7 @@ import torch
 
 from manifests.cosmos3 import config as c3
 from manifests.cosmos3 import keys as k3
-from manifests.cosmos3 import sound
+from manifests.cosmos3 import pipeline, sound
 from manifests.layouts import ComponentLayout, FamilyLayout, ModelLayout, Part
 
 PARTS: tuple[Part, ...] = (
@@ -117,4 +117,6 @@ LAYOUT = FamilyLayout(
                         num_layers_field="dec_dim"),
     ),
     model=ModelLayout(_model_config, _model_components),
+    pipeline=pipeline.PIPELINE,               # a diffusers pipeline root -> one model directory (pipeline.py)
+    format_aliases=pipeline.FORMAT_ALIASES,
 )

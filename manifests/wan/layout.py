@@ -8,7 +8,7 @@ import re
 from typing import Any, Callable
 
 from manifests.layouts import ComponentLayout, FamilyLayout, ModelLayout
-from manifests.wan import clip
+from manifests.wan import clip, pipeline
 from manifests.wan import config as wc
 from manifests.wan import dit
 from manifests.wan import keys as wk
@@ -118,4 +118,6 @@ LAYOUT = FamilyLayout(
                                "post_layernorm.weight")),
     ),
     model=ModelLayout(_model_config, _model_components),
+    pipeline=pipeline.PIPELINE,               # a diffusers pipeline root -> one model directory (pipeline.py)
+    source_aliases=pipeline.SOURCE_ALIASES,
 )
