@@ -232,7 +232,8 @@ def parse_json_body(raw: bytes) -> dict:
 
 
 def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, model_name: str | None = None,
-               retention: Retention = Retention(), api_key: str | None = None) -> FastAPI:
+               retention: Retention = Retention(), api_key: str | None = None,
+               session_options: dict | None = None) -> FastAPI:
     """An app serving `engine` (a sync Engine: the app wraps it in an AsyncEngine on startup). The video index in
     `output_dir` is recovered here (before any request is served)."""
     from contextlib import asynccontextmanager
@@ -286,7 +287,7 @@ def create_app(engine: Any, *, output_dir: str | Path, max_queue: int = 16, mode
     app.state.begin_shutdown = begin_shutdown
     app.state.store = store
     app.state.model_name = name
-    install_sessions(app, engine, api_key=api_key)   # realtime sessions (WebSocket): optimized/serving/sessions.py
+    install_sessions(app, engine, api_key=api_key, **(session_options or {}))   # realtime sessions (sessions.py)
     install_observability(app, engine)   # /metrics, spans, JSON event logs: optimized/serving/observability.py
 
     def video_object(entry: VideoEntry) -> dict:
@@ -736,6 +737,9 @@ def build_parser(prog: str = "python -m optimized.serving.server") -> argparse.A
                    help="seconds an ended video is kept")
     p.add_argument("--api-key", default=None, help=f"require this key on /v1/* (None: ${API_KEY_ENV} if set, "
                                                    f"else no key)")
+    p.add_argument("--session-idle-timeout", type=_bounded_int(1), default=300,
+                   help="seconds a realtime session with nothing running and no client call stays open")
+    p.add_argument("--max-sessions", type=_bounded_int(1), default=64, help="realtime sessions open at once")
     add_log_args(p)   # --log-format text | json (optimized/serving/observability.py)
     return p
 
@@ -780,7 +784,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m optimized.serving
     retention = Retention(args.keep_videos, args.keep_bytes, float(args.keep_seconds))
     try:
         app = create_app(engine, output_dir=args.output_dir, max_queue=args.max_queue, retention=retention,
-                         api_key=api_key)
+                         api_key=api_key, session_options={"idle_timeout_s": float(args.session_idle_timeout),
+                                                           "max_sessions": args.max_sessions})
     except (OSError, sqlite3.Error) as e:
         print(f"error: --output-dir {args.output_dir}: cannot open the video index ({e})", file=sys.stderr)
         return 2
