@@ -156,6 +156,7 @@ def build(family: str, spec: str, tiny_overrides: dict[str, Any]) -> Scaffold:
     tiny = U.tiny_config(up, defaults, tiny_overrides)
     table = U.key_table(up, tiny, defaults)
     guesses = U.guess_inputs(up, tiny)
+    switches = U.key_switches(up, tiny)
     group = next((g for g, _ in table.segments if g is not None), None)
     first = next(k for g, keys in table.segments for k, _ in keys)
     if group is not None:  # the planted fault: the first weight of the second layer (or the only one)
@@ -180,6 +181,7 @@ def build(family: str, spec: str, tiny_overrides: dict[str, Any]) -> Scaffold:
         "layer_import": "" if group else "NO_LAYERS, ",
         "layer_key": f're.compile(r"^{re.escape(group.prefix)}\\.(\\d+)\\.")' if group else "NO_LAYERS",
         "num_layers_field": group.field if group else "num_layers",
+        "switches": "{" + ", ".join(f"{w.field!r}: {w.fitted}" for w in switches) + "}",
     }
     files = {}
     for tmpl, dest in FILES.items():
@@ -203,6 +205,9 @@ def build(family: str, spec: str, tiny_overrides: dict[str, Any]) -> Scaffold:
     if table.default_mismatches:
         notes.append(f"key_shapes is wrong for the upstream default config on {len(table.default_mismatches)} keys "
                      f"(manifests/{family}/keys.py)")
+    if switches:
+        notes.append(f"boolean switches that change the keys: {', '.join(w.describe() for w in switches)}; "
+                     f"key_shapes refuses them until their keys are written (manifests/{family}/keys.py)")
     if any(g.code is None for g in guesses):
         notes.append(f"write the inputs: parity/families/{family}/inputs.py")
     notes.append(f"next: write reference/{family}/model.py forward and optimized/models/{family}/model.py __call__, "

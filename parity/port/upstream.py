@@ -263,6 +263,40 @@ def evaluate(table: KeyTable, config: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
+@dataclass(frozen=True)
+class KeySwitch:
+    """A boolean config field whose flip changes upstream's state dict (the shapes are fitted on int fields only)."""
+    field: str
+    fitted: bool                 # the value key_shapes was fitted with
+    added: int
+    removed: int
+    resized: int
+
+    def describe(self) -> str:
+        parts = [f"+{self.added}" if self.added else "", f"-{self.removed}" if self.removed else "",
+                 f"{self.resized} resized" if self.resized else ""]
+        return f"{self.field}={not self.fitted} ({', '.join(p for p in parts if p)} keys)"
+
+
+def key_switches(up: Upstream, tiny: dict) -> tuple[KeySwitch, ...]:
+    """Flip each boolean field of the tiny config alone and watch the keys (LTX-2: gated_attn adds gate logits,
+    cross_attn_mod resizes the modulation tables, ff_bias drops biases). A flip upstream refuses is skipped."""
+    base = shapes_of(up.build(tiny))
+    found = []
+    for name, v in tiny.items():
+        if not isinstance(v, bool):
+            continue
+        try:
+            flipped = shapes_of(up.build({**tiny, name: not v}))
+        except Exception:  # noqa: BLE001, S112 - a switch upstream cannot build alone: nothing to learn from it
+            continue
+        added, removed = len(set(flipped) - set(base)), len(set(base) - set(flipped))
+        resized = sum(1 for k in set(base) & set(flipped) if base[k] != flipped[k])
+        if added or removed or resized:
+            found.append(KeySwitch(name, v, added, removed, resized))
+    return tuple(found)
+
+
 def fp32_modules(up: Upstream) -> tuple[str, ...]:
     return tuple(getattr(up.cls, "_keep_in_fp32_modules", None) or ())
 
