@@ -62,10 +62,19 @@ def test_fully_masked_text_row_matches_the_reference():
 
 @pytest.mark.parametrize("side", ["reference", "optimized"])
 def test_unported_configs_are_refused_by_name(side):
-    cfg = dataclasses.replace(load_variant("tiny"), perturbed_attn=True, use_keyframes_abs_pos_embedding=True)
+    cfg = dataclasses.replace(load_variant("tiny"), perturbed_attn=True, patch_size=2)
     state = SIDES.random_state(cfg, 0)
-    with pytest.raises(ValueError, match="not ported yet: perturbed_attn=True, use_keyframes_abs_pos_embedding=True"):
+    with pytest.raises(ValueError, match="not ported yet: patch_size=2, perturbed_attn=True"):
         SIDES.forward(side, cfg, state, make_inputs(cfg, 0))
+
+
+def test_key_changing_switches_not_written_are_refused_by_the_keys():
+    from manifests import ManifestError
+    from manifests.ltx2 import key_shapes
+
+    cfg = dataclasses.replace(load_variant("tiny"), use_keyframes_abs_pos_embedding=True, attention_bias=False)
+    with pytest.raises(ManifestError, match="attention_bias=False, use_keyframes_abs_pos_embedding=True"):
+        key_shapes(cfg)
 
 
 @pytest.mark.upstream
@@ -89,6 +98,11 @@ def test_kit_fits_ltx2_constructor_and_top_level_parameters():
     tiny = U.tiny_config(up, U.default_config(up), {})
     # a modality-prefixed width shrinks with the rest (else the audio cross-attention RoPE is 2048 wide on 16)
     assert tiny["audio_cross_attention_dim"] == tiny["audio_num_attention_heads"] * tiny["audio_attention_head_dim"]
+    # every boolean switch that changes upstream's keys is either written (keys._switched) or refused by name
+    from manifests.ltx2.keys import FITTED_SWITCHES
+    written = {"gated_attn", "audio_gated_attn", "cross_attn_mod", "audio_cross_attn_mod", "use_prompt_embeddings",
+               "ff_bias", "audio_ff_bias"}
+    assert {w.field for w in U.key_switches(up, tiny)} == written | set(FITTED_SWITCHES)
     manifest = SIDES.manifest()
     config = load_variant("tiny").to_dict()
     assert manifest.match("scale_shift_table", config)[1] == "scale_shift_table"

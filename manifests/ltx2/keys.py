@@ -4,13 +4,22 @@ checked on the upstream default config (every key matches)."""
 
 from __future__ import annotations
 
+from manifests.errors import ManifestError
 from manifests.ltx2.config import Ltx2Config
 
 FP32_MODULES: tuple[str, ...] = ()  # upstream _keep_in_fp32_modules
 GAINS: tuple[str, ...] = ('norm_k.weight', 'norm_q.weight')  # norm scales: the random-weight rule draws them near 1
 
 
+# key-changing switches _switched() does not write (found by `fvparity port new`'s switch probe); refused by name
+FITTED_SWITCHES: dict[str, bool] = {"norm_elementwise_affine": False, "attention_bias": True,
+                                    "attention_out_bias": True, "use_keyframes_abs_pos_embedding": False}
+
+
 def key_shapes(c: Ltx2Config) -> dict[str, tuple[int, ...]]:
+    flipped = [f"{k}={getattr(c, k)}" for k, v in FITTED_SWITCHES.items() if getattr(c, k) != v]
+    if flipped:
+        raise ManifestError(f"ltx2 keys: {', '.join(flipped)} changes upstream's checkpoint keys and is not ported")
     inner = c.audio_num_attention_heads * c.audio_attention_head_dim
     shapes: dict[str, tuple[int, ...]] = {}
     shapes.update({
