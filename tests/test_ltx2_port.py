@@ -72,8 +72,8 @@ def test_key_changing_switches_not_written_are_refused_by_the_keys():
     from manifests import ManifestError
     from manifests.ltx2 import key_shapes
 
-    cfg = dataclasses.replace(load_variant("tiny"), use_keyframes_abs_pos_embedding=True, attention_bias=False)
-    with pytest.raises(ManifestError, match="attention_bias=False, use_keyframes_abs_pos_embedding=True"):
+    cfg = dataclasses.replace(load_variant("tiny"), norm_elementwise_affine=True, attention_bias=False)
+    with pytest.raises(ManifestError, match="norm_elementwise_affine=True, attention_bias=False"):
         key_shapes(cfg)
 
 
@@ -101,7 +101,7 @@ def test_kit_fits_ltx2_constructor_and_top_level_parameters():
     # every boolean switch that changes upstream's keys is either written (keys._switched) or refused by name
     from manifests.ltx2.keys import FITTED_SWITCHES
     written = {"gated_attn", "audio_gated_attn", "cross_attn_mod", "audio_cross_attn_mod", "use_prompt_embeddings",
-               "ff_bias", "audio_ff_bias"}
+               "ff_bias", "audio_ff_bias", "use_keyframes_abs_pos_embedding"}
     assert {w.field for w in U.key_switches(up, tiny)} == written | set(FITTED_SWITCHES)
     manifest = SIDES.manifest()
     config = load_variant("tiny").to_dict()
@@ -153,11 +153,20 @@ def test_ltx23_case_reads_each_streams_sigma():
     assert _misses(case, cfg, state, swapped)
 
 
+def test_ltx25_case_applies_the_keyframe_embedding_to_marked_tokens():
+    """LTX-2.5's keyframe embedding goes to the marked tokens only: dropping the marker misses the case."""
+    case, cfg, state, inputs = _case("tiny_25_forward")
+    assert cfg.use_keyframes_abs_pos_embedding and not cfg.use_prompt_adaln_single and not cfg.ff_bias
+    assert not _misses(case, cfg, state, inputs)
+    assert _misses(case, cfg, state, {**inputs, "video_keyframes_mask": torch.zeros_like(inputs["video_keyframes_mask"])})
+
+
 @pytest.mark.upstream
 @pytest.mark.parametrize("switches", [{"gated_attn": True}, {"audio_gated_attn": True}, {"cross_attn_mod": True},
                                       {"audio_cross_attn_mod": True},
                                       {"cross_attn_mod": True, "use_prompt_adaln_single": False},
-                                      {"ff_bias": False, "audio_ff_bias": False}, {"use_prompt_embeddings": False}])
+                                      {"ff_bias": False, "audio_ff_bias": False}, {"use_prompt_embeddings": False},
+                                      {"use_keyframes_abs_pos_embedding": True}])
 def test_switched_keys_match_upstream(switches):
     """manifests/ltx2/keys.py's hand-written switches (the scaffold fits int fields only) against upstream's own
     state dict, on the config with unequal head counts."""

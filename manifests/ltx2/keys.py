@@ -13,7 +13,7 @@ GAINS: tuple[str, ...] = ('norm_k.weight', 'norm_q.weight')  # norm scales: the 
 
 # key-changing switches _switched() does not write (found by `fvparity port new`'s switch probe); refused by name
 FITTED_SWITCHES: dict[str, bool] = {"norm_elementwise_affine": False, "attention_bias": True,
-                                    "attention_out_bias": True, "use_keyframes_abs_pos_embedding": False}
+                                    "attention_out_bias": True}
 
 
 def key_shapes(c: Ltx2Config) -> dict[str, tuple[int, ...]]:
@@ -169,6 +169,8 @@ def _switched(c: Ltx2Config, shapes: dict[str, tuple[int, ...]]) -> dict[str, tu
     kv_heads = {"attn1": "", "attn2": "", "audio_to_video_attn": "audio_", "audio_attn1": "audio_",
                 "audio_attn2": "audio_", "video_to_audio_attn": "audio_"}
     prompt_mod = c.cross_attn_mod or c.audio_cross_attn_mod
+    if c.use_keyframes_abs_pos_embedding:
+        shapes["keyframes_abs_pos_embedding"] = (1, dims[""])
     for m, mod in (("", c.cross_attn_mod), ("audio_", c.audio_cross_attn_mod)):
         if mod:  # 9 modulation rows: 3 more for the text cross-attention's query
             shapes[f"{m}time_embed.linear.weight"] = (9 * dims[m], dims[m])

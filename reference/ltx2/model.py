@@ -49,10 +49,11 @@ class Ltx2Model(nn.Module):
 
     def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                 timestep, audio_timestep=None, encoder_attention_mask=None, audio_encoder_attention_mask=None,
-                video_coords=None, audio_coords=None, sigma=None, audio_sigma=None,
+                video_coords=None, audio_coords=None, sigma=None, audio_sigma=None, video_keyframes_mask=None,
                 trace=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Video tokens [B, N, in_channels] and audio tokens [B, M, audio_in_channels] -> both denoised, one step.
-        `sigma` / `audio_sigma` [B] drive the text cross-attention's key / value modulation (LTX-2.3 only)."""
+        `sigma` / `audio_sigma` [B] drive the text cross-attention's key / value modulation (LTX-2.3 only);
+        `video_keyframes_mask` [B, N, 1] marks tokens that get the keyframe embedding (LTX-2.5 only)."""
         c = self.cfg
         record = trace or (lambda name, t: None)
 
@@ -86,6 +87,8 @@ class Ltx2Model(nn.Module):
         a = linear(self.audio_proj_in, audio_hidden_states)
         record("proj_in", x)
         record("audio_proj_in", a)
+        if c.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
+            x = x + (video_keyframes_mask > 0).to(x.dtype) * self.keyframes_abs_pos_embedding   # after the trace
         text, audio_text = encoder_hidden_states, audio_encoder_hidden_states
         if c.use_prompt_embeddings:  # LTX-2.0; 2.3's connectors project per modality instead
             text = caption_projection(self.caption_projection, encoder_hidden_states)
@@ -177,11 +180,11 @@ class Ltx2Model(nn.Module):
         return out, audio_out
 
 
-# config values this port covers (LTX-2.0, 2.3 and 2.5 switches ported); STG, keyframes, patches > 1 refused by name
+# config values this port covers (LTX-2.0, 2.3 and 2.5 switches ported); STG, patches > 1 refused by name
 UNSUPPORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1,
                "perturbed_attn": False, "norm_elementwise_affine": False,
                "attention_bias": True, "attention_out_bias": True, "qk_norm": "rms_norm_across_heads",
-               "activation_fn": "gelu-approximate", "use_keyframes_abs_pos_embedding": False}
+               "activation_fn": "gelu-approximate"}
 
 
 def linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ class FastLtx2:
 
     def __call__(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio_encoder_hidden_states,
                  timestep, audio_timestep=None, encoder_attention_mask=None, audio_encoder_attention_mask=None,
-                 video_coords=None, audio_coords=None, sigma=None, audio_sigma=None,
+                 video_coords=None, audio_coords=None, sigma=None, audio_sigma=None, video_keyframes_mask=None,
                  trace=None) -> tuple[torch.Tensor, torch.Tensor]:
         c, P = self.cfg, self.p
         tr = trace or (lambda name, t: None)
@@ -71,6 +71,8 @@ class FastLtx2:
         x, a = self.lin("proj_in", hidden_states), self.lin("audio_proj_in", audio_hidden_states)
         tr("proj_in", x)
         tr("audio_proj_in", a)
+        if c.use_keyframes_abs_pos_embedding and video_keyframes_mask is not None:
+            x = torch.where(video_keyframes_mask > 0, x + P["keyframes_abs_pos_embedding"], x)
         ctx, actx = encoder_hidden_states, audio_encoder_hidden_states
         if c.use_prompt_embeddings:
             ctx = self.lin("caption_projection.linear_2",
@@ -205,11 +207,10 @@ class FastLtx2:
         return self.lin(prefix + "proj_out", torch.addcmul(shift, F.layer_norm(x, x.shape[-1:], eps=1e-6), 1 + scale))
 
 
-# what this port covers (the 2.3 / 2.5 switches are ported); STG, keyframes, patches > 1 are refused by name
+# what this port covers (the 2.3 / 2.5 switches are ported); STG, patches > 1 are refused by name
 PORTED = {"patch_size": 1, "patch_size_t": 1, "audio_patch_size": 1, "audio_patch_size_t": 1, "perturbed_attn": False,
           "norm_elementwise_affine": False, "attention_bias": True, "attention_out_bias": True,
-          "qk_norm": "rms_norm_across_heads", "activation_fn": "gelu-approximate",
-          "use_keyframes_abs_pos_embedding": False}
+          "qk_norm": "rms_norm_across_heads", "activation_fn": "gelu-approximate"}
 TIME_MLPS = {"video": ("time_embed", "av_cross_attn_video_scale_shift", "av_cross_attn_video_a2v_gate"),
              "audio": ("audio_time_embed", "av_cross_attn_audio_scale_shift", "av_cross_attn_audio_v2a_gate")}
 

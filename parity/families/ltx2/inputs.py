@@ -60,4 +60,14 @@ def make_inputs(cfg: Ltx2Config, seed: int, batch: int = 2) -> dict[str, torch.T
         # the text keys / values' modulation (LTX-2.3 configs; 2.0 ignores them), drawn last: earlier draws unchanged
         "sigma": torch.rand(batch, generator=g),
         "audio_sigma": torch.rand(batch, generator=g),
+        # tokens of the first latent frame (a single pixel frame: the causal VAE's first) take LTX-2.5's keyframe
+        # embedding; the second sample marks none
+        "video_keyframes_mask": first_frame_marker(batch),
     }
+
+
+def first_frame_marker(batch: int) -> torch.Tensor:
+    per_frame = VIDEO_GRID[1] * VIDEO_GRID[2]
+    marker = torch.zeros(batch, VIDEO_GRID[0] * per_frame, 1)
+    marker[0, :per_frame] = 1.0
+    return marker
