@@ -177,3 +177,48 @@ def test_switched_keys_match_upstream(switches):
     cfg = dataclasses.replace(load_variant("tiny-split"), **switches)
     want = shapes_of(resolve("diffusers:LTX2VideoTransformer3DModel").build(cfg.to_dict()))
     assert key_shapes(cfg) == want
+
+
+def _original_key(key: str) -> str:
+    """A diffusers ltx2 key in the Lightricks single-file spelling (the inverse of diffusers' renames; the test
+    below checks it against diffusers' own converter)."""
+    for new, old in (("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video"),
+                     ("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio"),
+                     ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
+                     ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
+                     ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
+                     ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
+                     (".norm_q.", ".q_norm."), (".norm_k.", ".k_norm.")):
+        key = key.replace(new, old)
+    for new, old in (("audio_time_embed.", "audio_adaln_single."), ("time_embed.", "adaln_single."),
+                     ("audio_proj_in.", "audio_patchify_proj."), ("proj_in.", "patchify_proj.")):
+        if key.startswith(new):
+            key = old + key[len(new):]
+    return "model.diffusion_model." + key
+
+
+@pytest.mark.upstream
+def test_fvconvert_from_the_original_single_file(tmp_path, capsys):
+    """`fvconvert ltx2 --from original` on a Lightricks-layout file (made from the golden's weights; diffusers'
+    convert_ltx2_transformer_to_diffusers maps it back to them exactly): the connector keys are dropped, the
+    post-check passes, and every converted tensor equals the diffusers one bitwise."""
+    pytest.importorskip("diffusers")
+    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+    from safetensors.torch import load_file, save_file
+
+    from converters.cli import main
+
+    want = load_file(str(GOLDEN / "tiny_forward" / "upstream" / "diffusion_pytorch_model.safetensors"))
+    original = {_original_key(k): v for k, v in want.items()}
+    original["model.diffusion_model.video_embeddings_connector.learnable_registers"] = torch.zeros(4, 16)
+    assert set(convert_ltx2_transformer_to_diffusers(dict(original))) == set(want)
+    src = tmp_path / "ltx-2-19b-dev.safetensors"
+    save_file(original, str(src))
+    assert main(["ltx2", "--from", "original", str(src), str(tmp_path / "out"), "--variant", "tiny"]) == 0
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    stray = {**original, "model.diffusion_model.not_a_module.weight": torch.zeros(1)}
+    save_file(stray, str(src))
+    assert main(["ltx2", "--from", "original", str(src), str(tmp_path / "out2"), "--variant", "tiny"]) == 2
+    assert not (tmp_path / "out2").exists()
+    assert "not_a_module" in capsys.readouterr().err
