@@ -203,7 +203,9 @@ def test_fvconvert_from_the_original_single_file(tmp_path, capsys):
     convert_ltx2_transformer_to_diffusers maps it back to them exactly): the connector keys are dropped, the
     post-check passes, and every converted tensor equals the diffusers one bitwise."""
     pytest.importorskip("diffusers")
-    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_ltx2_transformer_to_diffusers,
+    )
     from safetensors.torch import load_file, save_file
 
     from converters.cli import main
