@@ -200,7 +200,7 @@ def _original_key(key: str) -> str:
 @pytest.mark.upstream
 def test_fvconvert_from_the_original_single_file(tmp_path, capsys):
     """`fvconvert ltx2 --from original` on a Lightricks-layout file (made from the golden's weights; diffusers'
-    convert_ltx2_transformer_to_diffusers maps it back to them exactly): the connector keys are dropped, the
+    convert_ltx2_transformer_to_diffusers maps it back to them exactly): the connector and VAE keys are dropped, the
     post-check passes, and every converted tensor equals the diffusers one bitwise."""
     pytest.importorskip("diffusers")
     from diffusers.loaders.single_file_utils import (
@@ -214,6 +214,8 @@ def test_fvconvert_from_the_original_single_file(tmp_path, capsys):
     original = {_original_key(k): v for k, v in want.items()}
     original["model.diffusion_model.video_embeddings_connector.learnable_registers"] = torch.zeros(4, 16)
     assert set(convert_ltx2_transformer_to_diffusers(dict(original))) == set(want)
+    original["vae.per_channel_statistics.mean-of-means"] = torch.zeros(8)   # the single file's other parts
+    original["audio_vae.per_channel_statistics.mean-of-means"] = torch.zeros(8)
     src = tmp_path / "ltx-2-19b-dev.safetensors"
     save_file(original, str(src))
     assert main(["ltx2", "--from", "original", str(src), str(tmp_path / "out"), "--variant", "tiny"]) == 0
