@@ -179,12 +179,12 @@ def test_a_tiny_post_and_a_delete_do_not_wait_behind_a_long_tick(tmp_path):
 def test_binding_beyond_loopback_without_a_key_prints_the_warning(tmp_path, capsys, monkeypatch):
     """No authentication: `--host 0.0.0.0` gave no warning. main prints it (before the model loads; the load is
     stopped here so nothing binds)."""
-    import optimized.serving.fvgen as fvgen
+    import optimized.serving.loading as loading   # what the server loads its engine with
 
     def stop(*a, **k):
-        raise fvgen.UsageError("stopped by the test")
+        raise loading.UsageError("stopped by the test")
 
-    monkeypatch.setattr(fvgen, "load_engine", stop)
+    monkeypatch.setattr(loading, "load_engine", stop)
     monkeypatch.delenv(getattr(server, "API_KEY_ENV", "FVGEN_API_KEY"), raising=False)
     code = server.main(["wan", "--variant", "tiny", "--host", "0.0.0.0", "--port", "0",
                         "--output-dir", str(tmp_path / "v")])
