@@ -53,6 +53,9 @@ def test_lora_over_http(tmp_path):
     direct = Engine.from_weights(cfg, weights)
     direct.loras.load("style", LORA)
     want = direct.generate_video(dataclasses.replace(request, lora=(LoraRef("style", 0.7),)), tmp_path / "direct.mp4")
+    golden = load_case(CASE)   # the direct run is diffusers' (load_lora_weights + set_adapters at 0.7)
+    assert ((want.latents["vision"] - golden.outputs["latents"]).norm() / golden.outputs["latents"].norm()).item() \
+        <= golden.tolerance.rel_l2
     engine = Engine.from_weights(cfg, weights)
     with TestClient(server.create_app(engine, output_dir=tmp_path / "videos")) as client:
         assert client.get("/v1/loras").json()["data"] == []
