@@ -47,7 +47,7 @@ from parity.errors import SetupError
 ROOT = Path(__file__).resolve().parents[1]
 CATALOGUE_DIR = Path(__file__).resolve().parent / "mutations"
 PACKAGES = ("manifests", "reference", "optimized", "converters", "parity")   # what the checks import
-COPIED = PACKAGES + ("golden", "pyproject.toml")
+COPIED = PACKAGES + ("golden", "examples", "pyproject.toml")   # examples: the C4 workflow rows read them
 SIDES = ("reference", "optimized", "both", "manifests", "converters")
 CATEGORIES = ("model math", "packing", "solvers", "noise order", "CFG", "caches", "AR sampling",
               "scheduler batching", "VAE", "SP layout", "converters", "control")

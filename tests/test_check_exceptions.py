@@ -62,6 +62,8 @@ PLANTED = [
     ("wan", "C2", WAN, "parity.rollout_checks:LogprobIdentity.single_cases", "tiny-2.1-t2v/fp32", False),
     ("wan", "C3", WAN, "parity.families.wan.c3:engine_sides", "tiny-2.1-t2v/fp32", False),
     ("wan", "C4", WAN, "parity.families.wan.c4:engine_decode", "tiny-2.1-t2v/fp32/", False),
+    ("ltx2", "C0", ("--variant", "tiny", "--dtype", "fp32"), "parity.port.kit:PortedSides.forward_all", "tiny/fp32",
+     False),   # a family ported with the kit: its C0 is the kit's
     ("seedvr2", "C0", ("--variant", "tiny-3b", "--world-size", "1"), "parity.families.seedvr2.c0:run_reference",
      "tiny-3b/fp32/", True),
     ("seedvr2", "C1", ("--variant", "tiny-3b", "--world-size", "1"), "parity.families.seedvr2.restore:restore_inputs",

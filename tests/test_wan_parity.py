@@ -119,12 +119,14 @@ FAULT_CASES = [  # (fault, level, variant, where it must be named)
     ("text-padding-not-zeroed", "C1", T2V, "step 0, cond branch, DiT input text: text_encoder.padding"),
     ("rope-wrong-axis", "C1", I2V, "step 0, cond branch, layer blocks.0"),
     ("inverted-latents-std", "C4", T2V, "vae decode (final latents agree)"),
+    ("widget-shifted-by-one", "C4", None, "ui/compile"),      # the workflow rows run on the default variants
+    ("cfg-read-as-steps", "C4", None, "settings"),
 ]
 
 
 @pytest.mark.parametrize("fault, level, variant, where", FAULT_CASES, ids=[f"{f}-{lv}" for f, lv, _, _ in FAULT_CASES])
 def test_planted_fault_fails_and_is_localised(fault, level, variant, where):
-    report = run(level, [variant], fault=fault)
+    report = run(level, [variant] if variant else [], fault=fault)
     bad = failed(report)
     assert bad, f"{level} passed with {fault} planted"
     assert any(where in (c.divergence or "") for c in bad), [(c.name, c.divergence) for c in bad][:6]

@@ -15,6 +15,7 @@ Planted fault (optimized side): `inverted-latents-std` (the media chain de-norma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tempfile
 from dataclasses import dataclass
@@ -123,6 +124,25 @@ def run_c4(variants: list[str], checkpoint: str | None, device: str, dtypes: lis
                         report.checks.append(CheckResult(f"{prefix}/decode_chunk2", within(m2, latent_tol), m2,
                                                          latent_tol, detail="engine decode, 2 latent frames per "
                                                                             "chunk, vs 1 per chunk"))
+    if checkpoint is None and (fault is None or fault in faults.WORKFLOW_FAULTS) and not variants:
+        report.checks += workflow_rows(fault, progress)
     if not report.checks:
         raise SetupError("no C4 case ran")
     return report
+
+
+def workflow_rows(fault: str | None, progress: Callable[[str], None]) -> list[CheckResult]:
+    """ComfyUI workflows compiled to programs (parity/workflow_checks.py): each example workflow against the direct
+    request with its settings, latents (C1) and frames (C4) bitwise, on the tiny models written by fvconvert into a
+    temporary models directory. Rows are named `workflow/<case>/...`."""
+    from parity import workflow_checks
+
+    progress("[wan C4] workflow: the example ComfyUI workflows vs the direct requests")
+    checks: list[CheckResult] = []
+    with exceptions_fail(checks, "workflow"), tempfile.TemporaryDirectory(prefix="fvparity-wan-workflows-") as tmp:
+        for name, variant in workflow_checks.TINY_MODELS.items():
+            workflow_checks.write_tiny_models(tmp, name, variant=variant)
+        for c in workflow_checks.run_checks(tmp, fault if fault in faults.WORKFLOW_FAULTS else None).checks:
+            checks.append(dataclasses.replace(c, name=f"workflow/{c.name}",   # a failing row names its case / check
+                                              divergence=c.divergence or (None if c.passed else c.name)))
+    return checks

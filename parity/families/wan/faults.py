@@ -49,6 +49,10 @@ FAULTS = (
     Fault("text-padding-not-zeroed", "UMT5 prompt embeds keep the encoder's outputs at padded positions instead of "
           "WanPipeline's zeros (C1 catches it too: the DiT sees the padded rows)", "C0", "text_encoder.padding"),
     Fault("vae-perturbed-weight", "one weight of VAE decoder stage 1 nudged", "C0", "decoder.up_blocks.1"),
+    Fault("widget-shifted-by-one", "ComfyUI UI export: widgets_values read without KSampler's control_after_generate "
+          "slot (C4 workflow rows)", "C4", "ui/compile"),
+    Fault("cfg-read-as-steps", "ComfyUI compiler: KSampler's steps read from its cfg widget (C4 workflow rows)", "C4",
+          "settings"),
     Fault("clip-perturbed-weight", "one weight of the CLIP image encoder's layer-0 MLP nudged (i2v models)", "C0",
           "encoder.layers.0"),
     Fault("rep-context", "VAE temporal upsample conv sees frame 0 as context (upstream's 'Rep' quirk ignored)", "C0"),
@@ -93,6 +97,7 @@ VAE_FAULTS = {"vae-perturbed-weight": "perturbed-weight", "rep-context": "rep-co
               "dropped-cache": "dropped-cache"}   # family name -> the name vae.py plants
 LOOP_FAULTS = ("expert-switch-late",)
 DECODE_FAULTS = ("inverted-latents-std",)
+WORKFLOW_FAULTS = ("widget-shifted-by-one", "cfg-read-as-steps")   # parity/workflow_checks.py plants them
 PARALLEL_FAULT_AXES = {"ulysses-heads-permuted": "sp_ulysses", "cfg-branches-swapped": "cfgp",
                        "tp-wrong-slice": "tp", "pad-keys-not-masked": "sp_ulysses",
                        "ring-no-max-shift": "sp_ring", "cfg-rows-halved": "cfgp",
@@ -101,7 +106,7 @@ PARALLEL_FAULTS = tuple(PARALLEL_FAULT_AXES)
 
 C0_FAULTS = DIT_FAULTS + UMT5_FAULTS + CLIP_FAULTS + tuple(VAE_FAULTS)
 C1_FAULTS = DIT_FAULTS + UMT5_FAULTS + LOOP_FAULTS + GRAPH_FAULTS + PARALLEL_FAULTS
-C4_FAULTS = DECODE_FAULTS
+C4_FAULTS = DECODE_FAULTS + WORKFLOW_FAULTS
 
 
 def check_fault(fault: str | None, level: str, allowed: tuple[str, ...]) -> None:
