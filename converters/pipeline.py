@@ -39,7 +39,7 @@ from converters.readers import open_weights, weight_kind_of
 from converters.writer import json_bytes, write_bytes
 from manifests.checkpoint import FORMAT_VERSION, MODEL_INDEX, weights_version_of
 from manifests.errors import PipelineError
-from manifests.layouts import PipelineLayout, family_layouts
+from manifests.layouts import PipelineLayout, family_layouts, pipeline_lists, read_pipeline_json
 
 PIPELINE = "pipeline"
 PipelineSpec = PipelineLayout   # how one family's diffusers pipeline root becomes a model directory
@@ -60,14 +60,9 @@ def source_aliases(family: str) -> dict[str, tuple[str, ...]]:
 
 def _json(path: Path, what: str) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: {what} not found") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{path}: unreadable {what} ({e})") from None
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path}: expected a JSON object")
-    return data
+        return read_pipeline_json(path, what)
+    except PipelineError as e:
+        raise ConversionError(str(e)) from None
 
 
 def _by_config(family: str, cands: tuple[str, ...], cfg_path: Path) -> str | None:
@@ -169,9 +164,7 @@ class PipelineReport:
         return d
 
 
-def _listed(index: dict, name: str) -> bool:
-    entry = index.get(name)
-    return isinstance(entry, list) and entry not in ([None, None], [])
+_listed = pipeline_lists
 
 
 def _hash(path: Path) -> str:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from manifests.errors import CheckpointError, ManifestError
+from manifests.errors import CheckpointError, ManifestError, PipelineError
 
 Part = tuple[str, tuple[str, ...], str]          # (part name, regexes on canonical keys, what it is)
 DEFAULT_GAINS: tuple[str, ...] = ("norm.weight",)  # the rule every family had before it was declared per family
@@ -123,6 +123,30 @@ class ModelLayout:
     another family's layout (the cosmos3 VAE is a wan VAE)."""
     config_from_dict: Callable[[dict], Any]
     components: Callable[[Any], dict[str, tuple[str, Any]]]
+
+
+def read_pipeline_json(path: Any, what: str) -> dict:
+    """A JSON object from a pipeline root's file (model_index.json, a scheduler or processor config); PipelineError
+    naming the file otherwise."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: {what} not found") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PipelineError(f"{path}: unreadable {what} ({e})") from None
+    if not isinstance(data, dict):
+        raise PipelineError(f"{path}: expected a JSON object")
+    return data
+
+
+def pipeline_lists(index: dict, name: str) -> bool:
+    """Whether a model_index.json lists entry `name` (diffusers writes [null, null] for an absent one)."""
+    entry = index.get(name)
+    return isinstance(entry, list) and entry not in ([None, None], [])
 
 
 @dataclass(frozen=True)

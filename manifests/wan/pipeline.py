@@ -10,26 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from manifests.errors import ManifestError, PipelineError
-from manifests.layouts import PipelineLayout
+from manifests.layouts import PipelineLayout, pipeline_lists, read_pipeline_json
 
 MODEL_INDEX = "model_index.json"
 
-
-def _json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: {what} not found") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PipelineError(f"{path}: unreadable {what} ({e})") from None
-    if not isinstance(data, dict):
-        raise PipelineError(f"{path}: expected a JSON object")
-    return data
-
-
-def _listed(index: dict, name: str) -> bool:
-    entry = index.get(name)
-    return isinstance(entry, list) and entry not in ([None, None], [])
+_json, _listed = read_pipeline_json, pipeline_lists   # the pipeline root's files (manifests/layouts.py)
 
 
 WAN_PIPELINES = {"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"}
