@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from manifests.accel import AccelSpec
 from manifests.bounds import RequestBounds
 from manifests.errors import ManifestError, RequestFieldError
 from manifests.solvers import SDEConfig
@@ -43,6 +44,7 @@ class WanGenerateRequest:
     image_embeds: Any = None                      # 2.1 I2V: float tensor [N, image_dim] (CLIP penultimate layer)
     sde: SDEConfig | None = None                  # SDE rollout steps on the solver's schedule (RL); None = ODE
     lora: tuple = ()                              # LoraRef(name, scale) per adapter, applied unmerged (manifests/lora.py)
+    accel: AccelSpec | None = None                # an acceleration (manifests/accel); None = the exact path
 
     @property
     def uses_cfg(self) -> bool:
@@ -129,5 +131,10 @@ class WanGenerateRequest:
         else:
             need(self.image_embeds is None, "this model's DiT has no image branch: image_embeds must be None",
                  "image_embeds")
+        if self.accel is not None:
+            need(isinstance(self.accel, AccelSpec), f"accel must be an AccelSpec (manifests.accel.parse_accel), got "
+                 f"{type(self.accel).__name__}", "accel")
+            need("wan.denoise" in self.accel.kind.loops, f"acceleration {self.accel.name!r} does not apply to the wan "
+                 f"denoising loop (it applies to: {', '.join(self.accel.kind.loops) or 'none'})", "accel")
         return self
 
