@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from manifests.errors import CheckpointError, ManifestError
+from manifests.serialise import read_json_object
 
 FORMAT_VERSION = 1
 MODEL_INDEX = "model_index.json"
@@ -173,15 +174,7 @@ class CanonicalCheckpoint:
 
 
 def _json_object(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable {what} ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, what, CheckpointError)
 
 
 def _weight_files(root: Path) -> tuple[Path, ...]:

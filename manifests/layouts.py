@@ -128,19 +128,9 @@ class ModelLayout:
 def read_pipeline_json(path: Any, what: str) -> dict:
     """A JSON object from a pipeline root's file (model_index.json, a scheduler or processor config); PipelineError
     naming the file otherwise."""
-    import json
-    from pathlib import Path
+    from manifests.serialise import read_json_object
 
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: {what} not found") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PipelineError(f"{path}: unreadable {what} ({e})") from None
-    if not isinstance(data, dict):
-        raise PipelineError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path, what, PipelineError)
 
 
 def pipeline_lists(index: dict, name: str) -> bool:

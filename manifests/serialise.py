@@ -29,8 +29,9 @@ def config_from_dict(cls: type[C], d: dict[str, Any], what: str) -> C:
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}).validate()
 
 
-def read_json_object(path, what: str) -> dict[str, Any]:
-    """A JSON object from `path`, or one clear ManifestError (missing file, bad JSON, not an object)."""
+def read_json_object(path, what: str, error: type[Exception] = ManifestError) -> dict[str, Any]:
+    """A JSON object from `path`, or one clear `error` naming the file (missing, unreadable, bad JSON, not an object).
+    The one JSON-file reader of manifests/ (configs, variants, model_index.json, safetensors indexes)."""
     import json
     from pathlib import Path
 
@@ -38,11 +39,9 @@ def read_json_object(path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ManifestError(f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{what} {path}: cannot read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{what} {path}: invalid JSON ({e})") from None
+        raise error(f"{path}: {what} not found") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: unreadable {what} ({e})") from None
     if not isinstance(data, dict):
-        raise ManifestError(f"{what} {path}: expected a JSON object")
+        raise error(f"{path}: expected a JSON object")
     return data

@@ -13,7 +13,7 @@ Kinds are declared in the modules beside this one (`caches.py`: step / residual 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 KnobValue = int | float | str | bool
