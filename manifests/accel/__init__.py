@@ -132,6 +132,7 @@ class AccelDecision:
     branch: str                                # "cond" | "uncond"
     action: str                                # "compute" | "reuse" | "predict" | "skip" (CFG branch not run)
     blocks_computed: tuple[int, int] | None = None   # [start, end) of DiT blocks run this step; None = all / none
+    blocks_reused: tuple[int, int] | None = None     # [start, end) replaced by a cached residual (blocks outside it ran)
     metric: float | None = None                # the quantity the rule compared (residual diff, magnitude ratio)
     keys_skipped: int = 0                      # sparse attention: attention (query, key) pairs not computed
 

@@ -13,17 +13,23 @@ one or two batched forwards, combine in the model's output dtype, advance each r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import itertools
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Sequence
 
 import torch
 
+from manifests.accel import AccelDecision, AccelSpec
+from manifests.accel import sparse as sparse_kinds
 from manifests.solvers import FlowMatchEulerConfig, UniPCConfig
 from manifests.wan import WanGenerateRequest, WanModelConfig
 from manifests.wan.dit import dit_params
 from optimized.models.wan.instance import WanModelInstance
-from optimized.models.wan.transformer import WanDiTFast
+from optimized.accel.residual import ResidualCache, ResidualOwner
+from optimized.accel.rules import BranchRule, make_rule
+from optimized.accel.stack import AccelRow, cached_forward
+from optimized.models.wan.transformer import WanCachedStack, WanDiTFast
 from optimized.models.wan.vae import ConvCache
 from optimized.runtime.cache import CacheKey
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan, per_rank_share
@@ -35,6 +41,20 @@ from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_h
 
 LOOP_ID = "wan.denoise"
 SolverState = unipc.UniPCState | euler.EulerState
+_REQUEST_TOKENS = itertools.count()
+
+
+def is_sparse(spec: AccelSpec | None) -> bool:
+    return spec is not None and spec.name in {k.name for k in sparse_kinds.KINDS}
+
+
+@dataclass
+class WanAccelState:
+    """One request's acceleration: its rule per CFG branch, whose residuals it owns, every decision so far."""
+    spec: AccelSpec
+    owner: ResidualOwner
+    rules: dict[str, BranchRule]                    # "cond" / "uncond" -> the branch's own rule
+    decisions: list[AccelDecision] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,7 @@ class WanDenoiseState:
     sde: sde_solver.SDEState | None = None          # SDE rollout steps (request.sde) on the solver's tables
     generator: torch.Generator | None = None        # the request's own generator (SDE step noise comes from it)
     recorder: BehaviorRecorder | None = None        # behavior capture (job.capture)
+    accel: WanAccelState | None = None              # request.accel: the step caches' rules and decisions
 
     @property
     def request(self) -> WanGenerateRequest:
@@ -115,6 +136,7 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         self.model = model
         self.cfg: WanModelConfig = model.cfg
         self.cfg_policy = make_policy(cfg_policy)
+        self.residuals = ResidualCache()              # the step caches' residuals (optimized/accel/residual.py)
 
     # ---- request -> state
     def init_state(self, job: WanDenoiseJob | WanGenerateRequest) -> WanDenoiseState:
@@ -149,7 +171,32 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         if req.image_embeds is not None:  # (upstream) image_embeds.repeat(batch_size, 1, 1).to(transformer_dtype)
             state.image_embeds = req.image_embeds.unsqueeze(0).to(self.model.device, self.model.dtype)
         self._condition(req, state)
+        if req.accel is not None:
+            state.accel = self._accel_state(req, state)
         return state
+
+    def _accel_state(self, req: WanGenerateRequest, s: WanDenoiseState) -> WanAccelState:
+        """The request's rules per branch; refusals (one clear message) for what the accelerated step cannot run."""
+        if req.lora:
+            raise ValueError("wan request: accel with per-request LoRA is not supported (merge the adapter)")
+        if self.layout() is not None or self.cfg_policy.name != "batched":
+            raise ValueError("wan request: accel runs on a single device with the batched CFG policy "
+                             f"(this loop: policy {self.cfg_policy.name}, plan {self.layout()})")
+        spec = req.accel
+        dits = [self.model.expert(e) for e in sorted(set(s.experts))]
+        layers = dits[0].cfg.num_layers
+        if any(d.cfg.num_layers != layers for d in dits):
+            raise ValueError("wan request: accel needs both experts to have the same number of blocks")
+        branches = ("cond", "uncond") if req.uses_cfg else ("cond",)
+        try:
+            rules = {b: BranchRule() if is_sparse(spec) else make_rule(spec, b, req.num_steps, layers)
+                     for b in branches}
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        owner = ResidualOwner(request=f"wan-{next(_REQUEST_TOKENS)}", model_id="wan", component_id=dits[0].component_id,
+                              weights_version=dits[0].weights_version, precision=str(self.model.dtype),
+                              shape_signature="x".join(map(str, s.latents.shape[1:])), spec=spec)
+        return WanAccelState(spec, owner, rules)
 
     def _initial_latents(self, req: WanGenerateRequest, g: torch.Generator | None) -> torch.Tensor:
         if req.noise is not None:  # (upstream) caller latents are cast to float32
@@ -233,7 +280,8 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         signature = f"expert={expert};latent={'x'.join(map(str, shape))}"
         return WorkPlan(
             request_id="", loop_id=self.loop_id, phase="denoise_step", step_index=s.step,
-            batch_key=(expert, shape, s.text.shape[1], image_n, str(self.model.dtype), self.cfg_policy.name),
+            batch_key=(expert, shape, s.text.shape[1], image_n, str(self.model.dtype), self.cfg_policy.name)
+            + ((s.request.accel.label(),) if is_sparse(s.request.accel) else ()),   # one attention mask per batch
             resources=ResourceRequest(device_bytes=act_bytes, cost_seconds=cost), cache_reads=s.text_keys,
             shape_signature=f"{signature};branches={branches}",
             parallel_plan_hash=lay.hash() if lay is not None else self.cfg_policy.layout_hash(),
@@ -270,6 +318,8 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         if any(s.experts[s.step] != expert for s in states):
             raise ValueError("wan.denoise: one batch must run one expert")
         dit = self.model.expert(expert)
+        if any(s.accel is not None for s in states):
+            return self._mixed_velocities(states, expert, one_by_one)
         cond = [self._branch(s, s.text) for s in states]
         guided = [s for s in states if s.request.uses_cfg]
         uncond = [self._branch(s, s.negative_text) for s in guided]
@@ -286,6 +336,47 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
             out.append(v)
         return out
 
+    def _mixed_velocities(self, states: Sequence[WanDenoiseState], expert: int, one_by_one: bool) -> list[torch.Tensor]:
+        """Requests without accel through the exact path (bitwise as alone), the others through one cached step."""
+        exact = [s for s in states if s.accel is None]
+        fast = [s for s in states if s.accel is not None]
+        by_state = dict(zip(map(id, exact), self.guided_velocities(exact, one_by_one) if exact else []))
+        by_state.update(zip(map(id, fast), self.accel_velocities(fast, expert)))
+        return [by_state[id(s)] for s in states]
+
+    def accel_velocities(self, states: Sequence[WanDenoiseState], expert: int) -> list[torch.Tensor]:
+        """One cached step for requests with accelerations: every request's cond and uncond rows in one batch, each
+        row deciding for itself (optimized/accel/stack.py); the decisions are appended to each request's state."""
+        dit = self.model.expert(expert)
+        inputs, rows = [], []
+        for s in states:
+            for branch in s.accel.rules:
+                inputs.append(self._branch(s, s.text if branch == "cond" else s.negative_text))
+                rows.append(AccelRow(s.accel.owner, branch, s.accel.rules[branch], s.step))
+        sparse_spec = next((s.accel.spec for s in states if is_sparse(s.accel.spec)), None)
+        stack = WanCachedStack(dit, self._sparse_attention(sparse_spec) if sparse_spec is not None else None)
+        outputs, decisions = cached_forward(stack, inputs, rows, self.residuals)
+        if sparse_spec is not None:   # one mask for the batch: the skipped keys split evenly over its computed rows
+            ran = [d for d in decisions if d.action == "compute"]
+            decisions = [replace(d, keys_skipped=stack.keys_skipped // len(ran)) if d.action == "compute" else d
+                         for d in decisions]
+        out, i = [], 0
+        for s in states:
+            n = len(s.accel.rules)
+            mine, preds = decisions[i:i + n], outputs[i:i + n]
+            s.accel.decisions.extend(mine)
+            v = preds[0]
+            if n == 2 and preds[1] is not None:  # (upstream) combined in the transformer's output dtype
+                v = cfg_combine(v, preds[1], s.request.guidance_for_expert(expert))
+            out.append(v)
+            i += n
+        return out
+
+    @staticmethod
+    def _sparse_attention(spec: AccelSpec):
+        from optimized.accel.sparse import sparse_self_attention  # written by the sparse-attention work
+        return lambda q, k, v, grid: sparse_self_attention(q, k, v, grid, spec)
+
     def run_step(self, states: Sequence[WanDenoiseState], plans: Sequence[WorkPlan]) -> list[WanDenoiseState]:
         out = []
         dit = self.model.expert(states[0].experts[states[0].step])
@@ -294,6 +385,9 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         step_info = dict(dit.last_step_info)
         for p in plans:  # trace.step says how the block stack ran: graph (eager/compiled/replayed), bucket, graph_cache
             p.info.update(step_info)
+        for p, s in zip(plans, states):   # trace.step shows what each accelerated request skipped this step
+            if s.accel is not None:
+                p.info["accel"] = [asdict(d) for d in s.accel.decisions if d.step == s.step]
         for s, v in zip(states, velocities):
             i, logprob, noise = s.step, None, None
             if s.sde is not None:  # one fp32 randn of the latent shape per SDE step, from the request's generator
@@ -330,7 +424,12 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
                "initial": s.initial}
         if s.recorder is not None:
             out["behavior"] = s.recorder.record({"vision": x})
+        if s.accel is not None:
+            out["accel"] = {"label": s.accel.spec.label(), "decisions": list(s.accel.decisions)}
+            self.residuals.release(s.accel.owner)
         return out
 
     def release(self, s: WanDenoiseState) -> None:
-        """Nothing pooled: the text embeddings stay in the encoder's LRU cache for later requests."""
+        """The request's residuals leave the cache store; the text embeddings stay in the encoder's LRU cache."""
+        if s.accel is not None:
+            self.residuals.release(s.accel.owner)

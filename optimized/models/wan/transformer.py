@@ -81,6 +81,25 @@ class BlockWeights:
     prefix: str = ""                       # "blocks.{i}.": names the block's layers for per-row LoRA deltas
 
 
+@dataclass
+class EmbeddedBatch:
+    """A batch after the embeddings: the block stack's input and everything its blocks and head read."""
+    x: torch.Tensor                        # [B, N, D] run dtype
+    ctx: torch.Tensor                      # [B, L, D] text context
+    img: torch.Tensor | None               # [B, N_img, D] image context (2.1 I2V)
+    timestep_proj: torch.Tensor            # [B, 6, D] or [B, N, 6, D]
+    temb: torch.Tensor                     # [B, D] or [B, N, D] (the output head's modulation)
+    rope: tuple[torch.Tensor, torch.Tensor]
+    grid: tuple[int, int, int]
+
+    def rows(self, rows: list[int]) -> "EmbeddedBatch":
+        if rows == list(range(self.x.shape[0])):
+            return self
+        idx = torch.tensor(rows, device=self.x.device)
+        return EmbeddedBatch(self.x[idx], self.ctx[idx], None if self.img is None else self.img[idx],
+                             self.timestep_proj[idx], self.temb[idx], self.rope, self.grid)
+
+
 def _rope_axis_table(dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos / sin [max_len, dim/2] of one axis: angles in float64, rounded to fp32 (upstream get_1d_rotary_pos_embed
     with freqs_dtype float64; upstream's repeat-interleaved columns are kept once here)."""
@@ -380,8 +399,24 @@ class WanDiTFast:
             self.row_lora = None
 
     def _forward_batch(self, latents, timesteps, text, image_embeds, trace) -> torch.Tensor:
+        e = self._embed(latents, timesteps, text, image_embeds, trace)
+        x, ctx, img, timestep_proj, rope = e.x, e.ctx, e.img, e.timestep_proj, e.rope
+
+        if trace is None and self.row_lora is None:   # through the CompileCache (a plan's compiled stack breaks at collectives)
+            x = self._run_blocks(x, ctx, img, timestep_proj, rope)
+        elif self._sp_degree() > 1:
+            x = self._sp_blocks(x, ctx, img, timestep_proj, rope, trace)
+        else:   # traced: eager, block by block
+            for i, block in enumerate(self.blocks):
+                x = self._block_forward(block, x, ctx, img, timestep_proj, rope)
+                if trace is not None:
+                    trace[f"blocks.{i}"] = x
+        return self._head(x, e.temb, e.grid, trace)
+
+    def _embed(self, latents, timesteps, text, image_embeds, trace) -> "EmbeddedBatch":
+        """Patch, time, text and image embeddings of a batch: the block stack's inputs."""
         grid = self._check(latents, timesteps, text, image_embeds)
-        cfg, dt, dev = self.cfg, self.dtype, self.device
+        dt, dev = self.dtype, self.device
         B = latents.shape[0]
         f, h, w = grid
         rope = self.rope_tables(grid)
@@ -403,17 +438,13 @@ class WanDiTFast:
             # slices take a different GEMM path than contiguous ones (bf16 rounding), so keep the same layout
             full = torch.cat([img, ctx], dim=1)
             img, ctx = full[:, :img.shape[1]], full[:, img.shape[1]:]
+        return EmbeddedBatch(x, ctx, img, timestep_proj, temb, rope, grid)
 
-        if trace is None and self.row_lora is None:   # through the CompileCache (a plan's compiled stack breaks at collectives)
-            x = self._run_blocks(x, ctx, img, timestep_proj, rope)
-        elif self._sp_degree() > 1:
-            x = self._sp_blocks(x, ctx, img, timestep_proj, rope, trace)
-        else:   # traced: eager, block by block
-            for i, block in enumerate(self.blocks):
-                x = self._block_forward(block, x, ctx, img, timestep_proj, rope)
-                if trace is not None:
-                    trace[f"blocks.{i}"] = x
-
+    def _head(self, x: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int], trace) -> torch.Tensor:
+        """Output norm + modulation, proj_out, unpatchify: [B, N, D] -> [B, C_out, T, H, W]."""
+        cfg, dt = self.cfg, self.dtype
+        B = x.shape[0]
+        f, h, w = grid
         sst = self.params["scale_shift_table"]                  # [1, 2, D] fp32
         if temb.ndim == 3:
             shift, scale = (sst.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
@@ -468,3 +499,50 @@ class WanDiTFast:
         return self.forward_batch(latents, timesteps, text, image_embeds)
 
     __call__ = forward
+
+
+class WanCachedStack:
+    """WanDiTFast as an `optimized.accel.stack.CachedStack`: the embeddings of a list of rows (objects with latents,
+    timestep, text, image_embeds; batch dim 1 each) in one call, any block range on any subset of them, the head.
+    Eager and single-device (the accelerated step is refused under sequence / tensor parallelism and LoRA).
+
+    `self_attention(q, k, v, grid) -> (out, keys_skipped)`: a sparse self-attention ([B, N, H, d] in and out, the
+    post-patch grid); the keys it skipped are summed in `keys_skipped`."""
+
+    def __init__(self, dit: WanDiTFast, self_attention=None) -> None:
+        if dit._sp_degree() > 1 or dit.tp is not None:
+            raise WanDiTInputError("accelerations run on a single-device DiT (no sequence / tensor parallel plan)")
+        self.dit, self.num_layers, self.dtype = dit, dit.cfg.num_layers, dit.dtype
+        self.self_attention = self_attention
+        self.keys_skipped = 0
+
+    def embed(self, inputs) -> EmbeddedBatch:
+        ts = [r.timestep for r in inputs]
+        if len({t.dtype for t in ts}) > 1:  # int and float timesteps in one batch: the DiT embeds them as fp32 anyway
+            ts = [t.to(torch.float32) for t in ts]
+        images = None if inputs[0].image_embeds is None else torch.cat([r.image_embeds for r in inputs])
+        with torch.no_grad():
+            return self.dit._embed(torch.cat([r.latents for r in inputs]), torch.cat(ts),
+                                   torch.cat([r.text for r in inputs]), images, None)
+
+    def _attention(self, grid):
+        if self.self_attention is None:
+            return None
+
+        def attend(q, k, v):
+            out, skipped = self.self_attention(q, k, v, grid)
+            self.keys_skipped += int(skipped)
+            return out
+        return attend
+
+    @torch.no_grad()
+    def run_blocks(self, batch: EmbeddedBatch, x: torch.Tensor, rows: list[int], start: int, end: int) -> torch.Tensor:
+        b = batch.rows(rows)
+        attention = self._attention(batch.grid)
+        for block in self.dit.blocks[start:end]:
+            x = self.dit._block_forward(block, x, b.ctx, b.img, b.timestep_proj, b.rope, self_attention=attention)
+        return x
+
+    @torch.no_grad()
+    def head(self, batch: EmbeddedBatch, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return self.dit._head(x, batch.rows(rows).temb, batch.grid, None)
