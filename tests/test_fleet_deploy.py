@@ -1,0 +1,92 @@
+"""deployment.yaml -> DeploymentSpec: the example file, and each kind of bad input refused naming its field."""
+
+import json
+
+import pytest
+
+from optimized.fleet.deployment import (DeploymentError, DeploymentSpec, ROLES, load_deployment,
+                                        parse_deployment)
+
+EXAMPLE = "examples/fleet/deployment.yaml"
+
+
+def _doc(**over):
+    doc = {"version": 1, "name": "t", "model": {"family": "wan", "variant": "tiny-2.1-t2v"},
+           "transport": "inprocess", "placement": {"backend": "local"},
+           "roles": {"encoder": {"replicas": 1}, "denoiser": {"replicas": 2}, "decoder": {}}}
+    doc.update(over)
+    return doc
+
+
+def test_example_file_is_one_encoder_two_denoisers_one_decoder():
+    pytest.importorskip("yaml")
+    spec = load_deployment(EXAMPLE)
+    assert isinstance(spec, DeploymentSpec)
+    assert [p.role for p in spec.roles] == list(ROLES)
+    assert [spec.pool(r).replicas for r in ROLES] == [1, 2, 1]
+    assert spec.replica_ids("denoiser") == ["denoiser-0", "denoiser-1"]
+    assert spec.placement.backend == "ray" and spec.placement.address == "local"
+    assert spec.model.family == "wan" and spec.model.variant == "tiny-2.1-t2v"
+
+
+def test_defaults_and_round_trip():
+    spec = parse_deployment(_doc())
+    assert spec.pool("decoder").replicas == 1 and spec.pool("decoder").ranks == 1
+    assert spec.routing.max_attempts == 3 and spec.routing.affinity is True
+    again = parse_deployment(spec.to_dict())
+    assert again == spec
+
+
+def test_json_file_reads(tmp_path):
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps(_doc()))
+    assert load_deployment(p).pool("denoiser").replicas == 2
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["roles"]["denoiser"].update(replicas=0), "roles.denoiser.replicas"),
+    (lambda d: d["roles"]["denoiser"].update(replicas="two"), "roles.denoiser.replicas"),
+    (lambda d: d["roles"]["denoiser"].update(replicas=True), "roles.denoiser.replicas"),
+    (lambda d: d["roles"].pop("decoder"), "roles.decoder"),
+    (lambda d: d["roles"].update(vae={}), "roles.vae"),
+    (lambda d: d["roles"]["encoder"].update(gpus=1), "roles.encoder.gpus"),
+    (lambda d: d["roles"]["denoiser"].update(ranks=2), "roles.denoiser.ranks"),
+    (lambda d: d["roles"]["encoder"].update(num_cpus=-1), "roles.encoder.num_cpus"),
+    (lambda d: d.update(transport="carrier-pigeon"), "transport"),
+    (lambda d: d.update(transport="ray_object_store"), "transport"),   # placement.backend is local
+    (lambda d: d["placement"].update(strategy="pack-ish"), "placement.strategy"),
+    (lambda d: d["placement"].update(backend="k8s"), "placement.backend"),
+    (lambda d: d.update(model={"family": "wan"}), "model"),
+    (lambda d: d.update(model={"variant": "tiny-2.1-t2v"}), "model.family"),
+    (lambda d: d["model"].update(path="x"), "model"),
+    (lambda d: d["model"].update(device="tpu"), "model.device"),
+    (lambda d: d["model"].update(dtype="fp8"), "model.dtype"),
+    (lambda d: d.update(routing={"max_attempts": 0}), "routing.max_attempts"),
+    (lambda d: d.update(routing={"health_interval_s": 0}), "routing.health_interval_s"),
+    (lambda d: d.update(routing={"affinity": "yes"}), "routing.affinity"),
+    (lambda d: d.update(slo={"max_queue": 0}), "slo.max_queue"),
+    (lambda d: d.update(version=2), "version"),
+    (lambda d: d.update(replicas=3), "replicas"),
+    (lambda d: d.update(roles=[1, 2]), "roles"),
+])
+def test_bad_field_is_named(mutate, field):
+    doc = json.loads(json.dumps(_doc()))
+    mutate(doc)
+    with pytest.raises(DeploymentError) as e:
+        parse_deployment(doc)
+    assert e.value.field == field
+    assert str(e.value).startswith(f"{field}:")
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(DeploymentError, match="no such file"):
+        load_deployment(tmp_path / "nope.yaml")
+    pytest.importorskip("yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("roles: {encoder: [1, 2\n")
+    with pytest.raises(DeploymentError, match="not valid YAML at line"):
+        load_deployment(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    with pytest.raises(DeploymentError, match="must be a mapping"):
+        load_deployment(scalar)
