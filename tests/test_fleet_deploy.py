@@ -90,3 +90,43 @@ def test_bad_files(tmp_path):
     scalar.write_text("just a string\n")
     with pytest.raises(DeploymentError, match="must be a mapping"):
         load_deployment(scalar)
+
+
+def test_fleet_card_has_the_seed_fields():
+    from optimized.fleet.card import fleet_card
+    spec = parse_deployment(_doc())
+    card = fleet_card(spec).to_dict()
+    for name in ("engine_id", "model_specs", "role_pools", "supported_programs", "supported_parallel_plans",
+                 "cache_events", "transfer_endpoints", "cost_model", "health_schema", "slo_schema"):
+        assert name in card, name
+    assert [(p["role"], list(p["replicas"])) for p in card["role_pools"]] == [
+        ("encoder", ["encoder-0"]), ("denoiser", ["denoiser-0", "denoiser-1"]), ("decoder", ["decoder-0"])]
+    assert [(e["producer"], e["consumer"], e["transport"]) for e in card["transfer_endpoints"]] == [
+        ("encoder", "denoiser", "inprocess"), ("denoiser", "decoder", "inprocess")]
+    assert card["model_specs"] == ["wan:tiny-2.1-t2v"] and card["supported_programs"] == ["video"]
+    assert card["slo_schema"]["max_queue"] == 16 and card["health_schema"]["probe_interval_s"] == 2.0
+    assert set(card["cost_model"]["seconds_per_unit"]) == {"encoder", "denoiser", "decoder"}
+    # the id changes with the deployment (an orchestrator tells two fleets apart)
+    other = fleet_card(parse_deployment(_doc(roles={"encoder": {}, "denoiser": {"replicas": 3}, "decoder": {}})))
+    assert other.engine_id != card["engine_id"]
+
+
+def test_fleet_card_reads_the_live_router():
+    from optimized.fleet.card import fleet_card
+    from optimized.fleet.router import HealthReport, Router, StageCostModel
+
+    class Idle:
+        def __init__(self, role, i):
+            self.role, self.replica_id = role, f"{role}-{i}"
+
+        def health(self, timeout_s):
+            return HealthReport(self.replica_id, self.role, True)
+    spec = parse_deployment(_doc())
+    router = Router({r: [Idle(r, i) for i in range(spec.pool(r).replicas)] for r in ROLES}, spec.routing,
+                    StageCostModel())
+    router.cost.observe("denoiser", 10, 0.5)
+    router.mark_dead("denoiser-0", "killed")
+    card = fleet_card(spec, router).to_dict()
+    assert card["cost_model"]["seconds_per_unit"]["denoiser"]["miss"] == 0.05
+    assert card["health"]["status"] == "ok"                   # denoiser-1 still serves
+    assert [r["status"] for r in card["health"]["roles"]["denoiser"]] == ["dead", "healthy"]
