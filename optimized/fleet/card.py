@@ -94,7 +94,8 @@ class FleetCard:
     card_version: int = FLEET_CARD_VERSION
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain JSON data (tuples as lists), as the card is served."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
 def _engine_id(spec: DeploymentSpec) -> str:
