@@ -228,3 +228,18 @@ def test_bad_shapes_are_refused():
             side(q, k, v, (4, 0), spec)
         with pytest.raises(ValueError, match="must be equal"):
             side(q, k[:, :2], v, (1, 2, 2), spec)
+
+
+def test_rows_at_different_steps_decide_each_for_itself():
+    grid, knobs = CASES[0]
+    q, k, v = _qkv(grid, batch=3)
+    spec = _sta(**knobs, start_step=2)
+    out, removed = opt.sparse_self_attention(q, k, v, grid, spec, step=[1, 2, 5])
+    for row, step in enumerate((1, 2, 5)):
+        alone, alone_removed = opt.sparse_self_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1], grid, spec,
+                                                         step=step)
+        torch.testing.assert_close(out[row:row + 1], alone, rtol=0, atol=1e-6)
+    per_row = ref.sparse_self_attention(q[:1], k[:1], v[:1], grid, spec, step=2)[1]
+    assert per_row > 0 and removed == 2 * per_row
+    with pytest.raises(ValueError, match="2 steps given for a batch of 3"):
+        opt.sparse_self_attention(q, k, v, grid, spec, step=[1, 2])

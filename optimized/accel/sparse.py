@@ -24,6 +24,7 @@ import contextlib
 import functools
 import math
 import warnings
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -162,11 +163,14 @@ def _flex(q, k, v, grid, params: StaParams, compile_flex: bool | None) -> torch.
 
 
 def sparse_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int, int],
-                          spec: AccelSpec, *, step: int | None = None, block: int | None = None,
+                          spec: AccelSpec, *, step: int | Sequence[int] | None = None, block: int | None = None,
                           compile_flex: bool | None = None) -> tuple[torch.Tensor, int]:
     """q, k, v [B, S, heads, head_dim] (WanDiTFast's layout) -> (out [B, S, heads, head_dim], the (query, key)
     pairs the mask removed, summed over batch rows and heads). Dense SDPA (0 removed) where the spec's step / block
-    ranges exclude this call, and where the window covers the whole grid (bitwise the dense path then)."""
+    ranges exclude this call, and where the window covers the whole grid (bitwise the dense path then).
+
+    `step`: one int for the whole batch, or one per batch row (a batched step may hold requests at different
+    denoising steps): rows outside [start_step, end_step) run dense, the others sparse, in one call each."""
     params = StaParams.from_spec(spec)
     grid = check_grid(grid)
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
@@ -175,9 +179,27 @@ def sparse_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gri
     B, S, heads, _ = q.shape
     if S != math.prod(grid):
         raise ValueError(f"sparse attention: {S} tokens do not fill the grid {grid} ({math.prod(grid)} tokens)")
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if step is not None and not isinstance(step, int):
+        steps = list(step)
+        if len(steps) != B:
+            raise ValueError(f"sparse attention: {len(steps)} steps given for a batch of {B} rows")
+        sparse_rows = [r for r in range(B) if applies(params, steps[r], block)]
+        if 0 < len(sparse_rows) < B:
+            out = torch.empty_like(q)
+            dense_rows = [r for r in range(B) if r not in sparse_rows]
+            out[dense_rows] = attend(*(x[dense_rows].transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+            sparse_out, removed = _sparse(q[sparse_rows], k[sparse_rows], v[sparse_rows], grid, params, compile_flex)
+            out[sparse_rows] = sparse_out
+            return out, removed
+        step = steps[0] if steps else None   # every row decides alike: one call
     if not applies(params, step, block):
-        return attend(qt, kt, vt).transpose(1, 2), 0
+        return attend(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2), 0
+    return _sparse(q, k, v, grid, params, compile_flex)
+
+
+def _sparse(q, k, v, grid, params: StaParams, compile_flex: bool | None) -> tuple[torch.Tensor, int]:
+    B, S, heads, _ = q.shape
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     removed_per_head = S * S - _kept_pairs(grid, params.tile, params.window, "drop_diagonal" in FAULTS)
     if removed_per_head == 0:       # nothing to skip: the dense kernel, bitwise the exact path
         return attend(qt, kt, vt).transpose(1, 2), 0
