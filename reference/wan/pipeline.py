@@ -26,6 +26,7 @@ from reference.solvers.euler import FlowMatchEuler
 from reference.solvers.guidance import cfg_combine
 from reference.solvers.sde import FlowSDE
 from reference.solvers.unipc import UniPCFlow
+from reference.wan.accel import BranchCache
 from reference.wan.image_encoder import load_clip_vision, preprocess_image
 from reference.wan.text_encoder import encode_prompts, load_umt5
 from reference.wan.transformer import load_wan_transformer
@@ -41,6 +42,16 @@ class WanGenerateResult:
     initial: torch.Tensor | None = None                     # the initial (noise) latents
     logprobs: list = field(default_factory=list)            # SDE: one log-probability per step (None on ODE steps)
     noise: list = field(default_factory=list)               # SDE: the standard-normal draw of each step (or None)
+    accel: list = field(default_factory=list)               # request.accel: AccelDecision per step and branch
+
+
+def sparse_attention():
+    """The reference sparse self-attention (written by the sparse-attention work), imported when first needed."""
+    try:
+        from reference.wan.sparse_attention import sparse_self_attention
+    except ImportError:
+        return None
+    return sparse_self_attention
 
 
 @dataclass
@@ -156,10 +167,22 @@ class WanReferencePipeline:
 
     def guided_velocity(self, request: WanGenerateRequest, latents: torch.Tensor, t: torch.Tensor, expert: int,
                         text: torch.Tensor, negative_text: torch.Tensor | None, image_embeds: torch.Tensor | None,
-                        condition: ImageCondition | None) -> torch.Tensor:
-        """One step's velocity: cond, and with CFG the uncond branch combined (the expert's guidance scale)."""
+                        condition: ImageCondition | None, caches: dict | None = None, step: int = 0,
+                        decisions: list | None = None) -> torch.Tensor:
+        """One step's velocity: cond, and with CFG the uncond branch combined (the expert's guidance scale).
+        `caches`: request.accel's BranchCache per branch (reference/wan/accel.py); its decisions go to `decisions`."""
         model = self.transformer if expert == 1 else self.transformer_2
         x, timestep = self.model_inputs(latents, t, condition)
+        if caches is not None:
+            velocity, decision = caches["cond"].forward(model, step, x, timestep, text, image_embeds, sparse_attention())
+            decisions.append(decision)
+            if request.uses_cfg:
+                uncond, decision = caches["uncond"].forward(model, step, x, timestep, negative_text, image_embeds,
+                                                            sparse_attention())
+                decisions.append(decision)
+                if uncond is not None:   # a skipped uncond branch (guidance interval): the cond velocity alone
+                    velocity = cfg_combine(velocity, uncond, request.guidance_for_expert(expert))
+            return velocity
         velocity = model(x, timestep, text, image_embeds)
         if request.uses_cfg:  # decided by guidance_scale alone, even when guidance_scale_2 applies (upstream)
             velocity_uncond = model(x, timestep, negative_text, image_embeds)
@@ -182,10 +205,15 @@ class WanReferencePipeline:
         sde = FlowSDE(request.sde, solver.sigmas) if request.sde is not None else None  # SDE on the solver's tables
         result = WanGenerateResult(latents=latents, initial=latents.clone())
         condition = self.encode_condition(request, tuple(latents.shape)) if request.image is not None else None
+        caches = None
+        if request.accel is not None:   # one cache per CFG branch for the whole run
+            caches = {b: BranchCache(request.accel, b, request.num_steps, cfg.dit.num_layers)
+                      for b in (("cond", "uncond") if request.uses_cfg else ("cond",))}
 
         for i, t in enumerate(solver.timesteps):
             expert = self.expert_at(t)
-            velocity = self.guided_velocity(request, latents, t, expert, text, negative_text, image_embeds, condition)
+            velocity = self.guided_velocity(request, latents, t, expert, text, negative_text, image_embeds, condition,
+                                            caches, i, result.accel)
             if sde is not None:  # one fp32 randn of the latent shape per SDE step, from the request's generator
                 noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32) \
                     if sde.is_sde_step(i) else None

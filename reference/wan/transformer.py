@@ -176,7 +176,8 @@ class WanAttention(nn.Module):
             self.norm_added_k = nn.RMSNorm(dim, eps=eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, attend=attention) -> torch.Tensor:
+        """`attend`: the attention function (a sparse one under a sparse-attention acceleration)."""
         image = None
         if self.image_branch:
             # (upstream) everything before the last 512 context tokens is image; text must be exactly 512 long
@@ -188,7 +189,7 @@ class WanAttention(nn.Module):
         v = self.to_v(context).unflatten(2, (self.heads, -1))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attention(q, k, v).type_as(q)
+        out = attend(q, k, v).type_as(q)
         if image is not None:
             k_img = self.norm_added_k(self.add_k_proj(image)).unflatten(2, (self.heads, -1))
             v_img = self.add_v_proj(image).unflatten(2, (self.heads, -1))
@@ -208,7 +209,7 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.empty(1, 6, D))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, modulation: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor], self_attention=attention) -> torch.Tensor:
         # modulation [B, 6, D] (one timestep per sample) or [B, S, 6, D] (per-token timesteps); sums in fp32
         table = self.scale_shift_table if modulation.ndim == 3 else self.scale_shift_table.unsqueeze(0)
         shift1, scale1, gate1, shift2, scale2, gate2 = (table + modulation.float()).unbind(-2)
@@ -216,7 +217,7 @@ class WanBlock(nn.Module):
             shift1, scale1, gate1, shift2, scale2, gate2 = (m[:, None] for m in (shift1, scale1, gate1, shift2,
                                                                                    scale2, gate2))
         h = (layer_norm_fp32(x.float(), self.eps) * (1 + scale1) + shift1).type_as(x)
-        x = (x.float() + self.attn1(h, rope=rope) * gate1).type_as(x)
+        x = (x.float() + self.attn1(h, rope=rope, attend=self_attention) * gate1).type_as(x)
         h = layer_norm_fp32(x.float(), self.eps, self.norm2).type_as(x) if self.norm2 is not None else x
         x = x + self.attn2(h, context)
         h = (layer_norm_fp32(x.float(), self.eps) * (1 + scale2) + shift2).type_as(x)
@@ -243,7 +244,15 @@ class WanTransformer(nn.Module):
         """latents [B, C_in, T, H, W]; timestep [B] (int or float) or [B, S] float per patch token (expand_timesteps);
         text [B, L, text_dim] (L = 512 with image_embeds); image_embeds [B, N, image_dim] -> [B, C_out, T', H', W']
         with T' = T // pt * pt etc. (the conv drops remainders, upstream)."""
-        cfg, D = self.cfg, self.cfg.hidden_size
+        x, context, modulation, rope, temb, grid = self.embed(latents, timestep, text, image_embeds)
+        for block in self.blocks:
+            x = block(x, context, modulation, rope)
+        return self.head(x, temb, grid)
+
+    def embed(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+              image_embeds: torch.Tensor | None = None):
+        """Everything before the blocks: (tokens [B, S, D], context, modulation, rope, temb, grid)."""
+        cfg = self.cfg
         B = latents.shape[0]
         pt, ph, pw = cfg.patch_size
         grid = (latents.shape[2] // pt, latents.shape[3] // ph, latents.shape[4] // pw)
@@ -255,10 +264,13 @@ class WanTransformer(nn.Module):
         temb, modulation, context, image = self.condition_embedder(timestep, text, image_embeds)
         if image is not None:
             context = torch.cat([image, context], dim=1)          # image tokens first (upstream)
+        return x, context, modulation, rope, temb, grid
 
-        for block in self.blocks:
-            x = block(x, context, modulation, rope)
-
+    def head(self, x: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """Everything after the blocks: output norm + modulation, proj_out, unpatchify."""
+        cfg = self.cfg
+        B = x.shape[0]
+        pt, ph, pw = cfg.patch_size
         # output head: shift/scale from the final table + temb (not the 6-way modulation), fp32 norm
         if temb.ndim == 3:                                        # per-token: [1, 1, 2, D] + [B, S, 1, D]
             shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).unbind(2)
