@@ -64,14 +64,15 @@ def applies(params: StaParams, step: int | None, block: int | None) -> bool:
     return True
 
 
-def _axis_tables(size: int, tile: int, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per axis: tile index [size], clamped kernel centre [size], near [size, size] (query coord, key coord)."""
+def _axis_tables(size: int, tile: int, window: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Per axis: tile index [size], clamped kernel centre [size], reach (tiles), near [size, size] (query coord,
+    key coord): near = |centre(query) - index(key)| <= reach."""
     tiles = math.ceil(size / tile)
     index = torch.arange(size) // tile
     lo, hi = (window, tiles - 1 - window) if 2 * window + 1 < tiles else (0, tiles - 1)
     centre = index.clamp(lo, hi)
     reach = window if 2 * window + 1 < tiles else tiles   # a window as wide as the axis reaches every tile
-    return index, centre, (centre[:, None] - index[None, :]).abs() <= reach
+    return index, centre, reach, (centre[:, None] - index[None, :]).abs() <= reach
 
 
 @functools.lru_cache(maxsize=64)
@@ -84,9 +85,9 @@ def _kept_pairs(grid, tile, window, drop_diagonal: bool) -> int:
     """(query, key) pairs the mask keeps, per batch row and head: product of the axes' near counts (minus, under
     the fault, the same-tile pairs: product of the axes' same-index counts)."""
     tables = _tables(grid, tile, window)
-    kept = math.prod(int(near.sum()) for _, _, near in tables)
+    kept = math.prod(int(near.sum()) for _, _, _, near in tables)
     if drop_diagonal:
-        kept -= math.prod(int((index[:, None] == index[None, :]).sum()) for index, _, _ in tables)
+        kept -= math.prod(int((index[:, None] == index[None, :]).sum()) for index, _, _, _ in tables)
     return kept
 
 
@@ -97,7 +98,7 @@ def token_mask(grid: tuple[int, int, int], params: StaParams, device: torch.devi
 
 @functools.lru_cache(maxsize=16)
 def _token_mask(grid, tile, window, drop_diagonal: bool, device: str) -> torch.Tensor:
-    (it, _, nt), (ih, _, nh), (iw, _, nw) = _tables(grid, tile, window)
+    (it, _, _, nt), (ih, _, _, nh), (iw, _, _, nw) = _tables(grid, tile, window)
     T, H, W = grid
     keep = nt[:, None, None, :, None, None] & nh[None, :, None, None, :, None] & nw[None, None, :, None, None, :]
     if drop_diagonal:
@@ -113,9 +114,9 @@ def _flex_layout(grid, tile, window, drop_diagonal: bool, device: str):
     """(tile-major permutation [S], its inverse [S], BlockMask over the permuted tokens)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    (it, ct, _), (ih, ch, _), (iw, cw, _) = _tables(grid, tile, window)
+    (it, ct, rt, _), (ih, ch, rh, _), (iw, cw, rw, _) = _tables(grid, tile, window)
     T, H, W = grid
-    reach = [w if 2 * w + 1 < math.ceil(n / t) else math.ceil(n / t) for n, t, w in zip(grid, tile, window)]
+    reach = (rt, rh, rw)
     t, h, w = (a.flatten() for a in torch.meshgrid(torch.arange(T), torch.arange(H), torch.arange(W), indexing="ij"))
     tiles_h, tiles_w = math.ceil(H / tile[1]), math.ceil(W / tile[2])
     tile_id = (it[t] * tiles_h + ih[h]) * tiles_w + iw[w]
@@ -138,6 +139,19 @@ def _flex_layout(grid, tile, window, drop_diagonal: bool, device: str):
     S = T * H * W
     block_mask = create_block_mask(mask_mod, None, None, S, S, device=device)
     return perm.to(device), inverse.to(device), block_mask
+
+
+def flex_token_mask(grid: tuple[int, int, int], params: StaParams) -> torch.Tensor:
+    """[S, S] bool in raster token order: the flex backend's mask_mod evaluated on every (query, key) pair of its
+    tile-major layout and put back in raster order (what the parity rows compare with the reference's mask)."""
+    perm, _, block_mask = _flex_layout(check_grid(grid), params.tile, params.window, "drop_diagonal" in FAULTS,
+                                       "cpu")
+    S = perm.numel()
+    index = torch.arange(S)
+    permuted = block_mask.mask_mod(0, 0, index[:, None], index[None, :])
+    raster = torch.empty(S, S, dtype=torch.bool)
+    raster[perm[:, None], perm[None, :]] = permuted
+    return raster
 
 
 @functools.lru_cache(maxsize=1)
@@ -234,4 +248,4 @@ def flex_block_stats(grid: tuple[int, int, int], spec: AccelSpec) -> dict[str, i
             "pairs_removed_by_mask": S * S - _kept_pairs(grid, params.tile, params.window, "drop_diagonal" in FAULTS)}
 
 
-__all__ = ["FAULTS", "KNOWN_FAULTS", "applies", "flex_block_stats", "planted", "sparse_self_attention", "token_mask"]
+__all__ = ["FAULTS", "KNOWN_FAULTS", "applies", "flex_block_stats", "flex_token_mask", "planted", "sparse_self_attention", "token_mask"]
