@@ -1,0 +1,151 @@
+"""The fleet behind the HTTP API, in this process (placement.backend local: every replica an in-process Engine):
+/v1/videos answered by 1 encoder, 2 denoisers and 1 decoder is bitwise the co-located server's video; a denoiser
+that dies mid-request is failed over, the video written once; with no denoiser left the video fails, one clear
+error. (The same against a local Ray cluster: tests/test_fleet_ray_serve.py, slow.)"""
+
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from optimized.fleet.deployment import parse_deployment  # noqa: E402
+from optimized.fleet.router import ReplicaDied, StagePlan  # noqa: E402
+
+BODY = {"prompt": "a red fox", "size": "32x32", "frames": 5, "steps": 3, "guidance": 4.0, "seed": 7}
+
+
+def spec(denoisers=2):
+    return parse_deployment({
+        "name": "t", "model": {"family": "wan", "variant": "tiny-2.1-t2v"}, "transport": "inprocess",
+        "placement": {"backend": "local"},
+        "roles": {"encoder": {}, "denoiser": {"replicas": denoisers}, "decoder": {}},
+        "routing": {"health_interval_s": 3600}})
+
+
+def wait(client, vid, deadline=120.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline:
+        obj = client.get(f"/v1/videos/{vid}").json()
+        if obj["status"] in ("completed", "failed"):
+            return obj
+        time.sleep(0.05)
+    raise AssertionError(f"{vid} still {obj['status']}")
+
+
+def make(client, body=BODY):
+    r = client.post("/v1/videos", json=body)
+    assert r.status_code == 200, r.text
+    return wait(client, r.json()["id"])
+
+
+def contents(client, vid):
+    return {v: client.get(f"/v1/videos/{vid}/content", params={"variant": v}).content
+            for v in ("video", "thumbnail")}
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    from optimized.serving.loading import load_engine
+    from optimized.serving.server import create_app
+    app = create_app(load_engine("wan", None, "tiny-2.1-t2v"), output_dir=tmp_path_factory.mktemp("co"))
+    with TestClient(app) as client:
+        done = make(client)
+        assert done["status"] == "completed", done
+        yield contents(client, done["id"])
+
+
+class Killable:
+    """A replica wrapper whose process 'dies' at its next stage call (raises ReplicaDied from then on)."""
+
+    def __init__(self, replica):
+        self.replica, self.replica_id, self.role = replica, replica.replica_id, replica.role
+        self.dead, self.calls = False, 0
+
+    def run_stage(self, call):
+        self.calls += 1
+        if self.dead:
+            raise ReplicaDied(self.replica_id, "process exited (planted)")
+        return self.replica.run_stage(call)
+
+    def health(self, timeout_s):
+        if self.dead:
+            raise ReplicaDied(self.replica_id, "process exited (planted)")
+        return self.replica.health(timeout_s)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from optimized.serving.fleet_server import FleetGateway, create_fleet_app
+    gw = FleetGateway.start(spec())
+    gw.router.states["denoiser"] = {rid: type(st)(Killable(st.replica))
+                                    for rid, st in gw.router.states["denoiser"].items()}
+    app = create_fleet_app(gw, output_dir=tmp_path_factory.mktemp("fleet"))
+    with TestClient(app) as client:
+        yield client, gw
+
+
+def test_fleet_video_is_bitwise_the_colocated_one(fleet, colocated):
+    client, gw = fleet
+    done = make(client)
+    assert done["status"] == "completed", done
+    assert contents(client, done["id"]) == colocated
+    card = client.get("/v1/models").json()["data"][0]["deployment_card"]
+    assert [p["replicas"] for p in card["extra"]["fleet"]["role_pools"]] == [["encoder-0"], ["denoiser-0",
+                                                                                            "denoiser-1"],
+                                                                             ["decoder-0"]]
+    assert card["family"] == "wan"
+    status = client.get("/v1/fleet").json()
+    assert status["status"] == "ok" and status["roles"]["decoder"][0]["completed"] >= 1
+
+
+def test_negative_control_a_dtype_cast_in_transit_changes_the_video(fleet, colocated):
+    """The comparison has power: latents cast to bf16 between the denoiser and the decoder give another video."""
+    import dataclasses
+
+    import torch
+    client, gw = fleet
+    st = gw.router.states["decoder"]["decoder-0"]
+    real = st.replica.run_stage
+
+    def cast_in_transit(call):
+        lat = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in call.payload.latents.items()}
+        return real(dataclasses.replace(call, payload=dataclasses.replace(call.payload, latents=lat)))
+    st.replica.run_stage = cast_in_transit
+    try:
+        done = make(client)
+    finally:
+        del st.replica.run_stage
+    assert done["status"] == "completed"
+    assert contents(client, done["id"])["thumbnail"] != colocated["thumbnail"]
+
+
+def test_denoiser_dying_mid_request_fails_over_and_writes_once(fleet, colocated, tmp_path):
+    client, gw = fleet
+    reps = {rid: st.replica for rid, st in gw.router.states["denoiser"].items()}
+    first = gw.router.place(StagePlan("denoiser", 1.0)).replica.replica_id
+    reps[first].dead = True                                    # the router's pick dies when it is called
+    r = client.post("/v1/videos", json=BODY)
+    vid = r.json()["id"]
+    events = client.get(f"/v1/videos/{vid}/events").text
+    done = wait(client, vid)
+    assert done["status"] == "completed", done
+    assert contents(client, vid) == colocated                  # the same video, from the other replica
+    assert events.count("event: request.failover") == 1 and f"{first} died" in events
+    assert events.count("event: request.completed") == 1
+    files = sorted(p.name for p in client.app.state.store.output_dir.iterdir() if p.name.startswith(vid))
+    assert files == [f"{vid}.json", f"{vid}.mp4", f"{vid}.png"]
+
+
+def test_no_denoiser_left_fails_with_one_clear_error(fleet):
+    client, gw = fleet
+    for st in gw.router.states["denoiser"].values():
+        st.replica.dead = True
+    done = make(client)
+    assert done["status"] == "failed"
+    msg = done["error"]["message"]
+    assert "stage denoiser could not complete" in msg and "completed stages: encoder" in msg
+    vid = done["id"]
+    assert not [p for p in client.app.state.store.output_dir.iterdir() if p.name.startswith(vid)]
