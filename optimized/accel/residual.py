@@ -34,11 +34,6 @@ class ResidualOwner:
     spec: AccelSpec
 
 
-def branch_slot(branch: str) -> str:
-    """The branch a residual is filed under (module-level so a planted fault can swap the branches)."""
-    return branch
-
-
 class ResidualCache:
     def __init__(self, store: CacheStore | None = None) -> None:
         self.store = store if store is not None else CacheStore(max_bytes=1 << 31, name="residual")
@@ -46,7 +41,7 @@ class ResidualCache:
     def key(self, owner: ResidualOwner, branch: str, blocks: tuple[int, int], slot: str) -> CacheKey:
         if slot not in SLOTS:
             raise ValueError(f"residual slot must be one of {SLOTS}, got {slot!r}")
-        parts = {"request": owner.request, "branch": branch_slot(branch), "blocks": f"{blocks[0]}-{blocks[1]}",
+        parts = {"request": owner.request, "branch": branch, "blocks": f"{blocks[0]}-{blocks[1]}",
                  "slot": slot}
         parts.update(dict(owner.spec.cache_key_part()))
         return CacheKey(model_id=owner.model_id, component_id=owner.component_id,
@@ -55,6 +50,7 @@ class ResidualCache:
                         cache_contract_version=RESIDUAL_CONTRACT, input_hashes=parts)
 
     def load(self, owner: ResidualOwner, branch: str, blocks: tuple[int, int], slot: str):
+        """The stored value or None (never stored, or evicted). Faults are planted here and in store_value."""
         return self.store.get(self.key(owner, branch, blocks, slot))
 
     def store_value(self, owner: ResidualOwner, branch: str, blocks: tuple[int, int], slot: str, value) -> None:

@@ -1,0 +1,138 @@
+"""C1 under an acceleration: the engine and the reference loop run the same request with the same AccelSpec.
+
+Both sides make their decisions independently (optimized/accel/ vs reference/wan/accel.py), so the check compares
+decisions first (step, CFG branch, action, block ranges) and the latents after every step second, against the
+contract's C1 loop tolerance: a lossy cache is lossy against the exact run, but reference and engine under the same
+cache must agree. The first failing row localises a fault (which step, which branch).
+
+Negative controls (`FAULTS`, planted in the engine only): "never_refresh" (the residual store keeps the first value
+of every slot), "wrong_branch" (a branch reads the other branch's residuals). Each must fail and be localised.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from manifests.accel import AccelSpec, parse_accel
+
+FAULTS = ("never_refresh", "wrong_branch")
+
+
+@dataclass(frozen=True)
+class AccelC1Row:
+    step: int
+    check: str                       # "decision" | "latents"
+    ok: bool
+    detail: str                      # what differed (branch, actions, block ranges) or the measured rel L2
+    branch: str | None = None
+    rel_l2: float | None = None
+
+
+def first_failure(rows: list[AccelC1Row]) -> AccelC1Row | None:
+    """The earliest failing row (by step; a decision before the latents of its step)."""
+    bad = [r for r in rows if not r.ok]
+    return min(bad, key=lambda r: (r.step, r.check != "decision")) if bad else None
+
+
+@contextmanager
+def planted(fault: str | None) -> Iterator[None]:
+    """Plant one engine fault for the duration (None: nothing)."""
+    if fault is None:
+        yield
+        return
+    if fault not in FAULTS:
+        raise ValueError(f"unknown accel fault {fault!r} (known: {', '.join(FAULTS)})")
+    from optimized.accel.residual import ResidualCache
+    original_store, original_load = ResidualCache.store_value, ResidualCache.load
+
+    def store_once(self, owner, branch, blocks, slot, value):
+        if self.key(owner, branch, blocks, slot) not in self.store:   # never refreshes what it holds
+            original_store(self, owner, branch, blocks, slot, value)
+
+    def load_other(self, owner, branch, blocks, slot):
+        return original_load(self, owner, {"cond": "uncond", "uncond": "cond"}[branch], blocks, slot)
+
+    if fault == "never_refresh":
+        ResidualCache.store_value = store_once
+    else:
+        ResidualCache.load = load_other
+    try:
+        yield
+    finally:
+        ResidualCache.store_value, ResidualCache.load = original_store, original_load
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _decision_view(d) -> tuple:
+    return d.step, d.branch, d.action, d.blocks_computed, d.blocks_reused
+
+
+def default_request(cfg, spec: AccelSpec, num_steps: int = 6, seed: int = 0, guidance_scale: float = 5.0):
+    from manifests.wan.sampling import WanGenerateRequest
+    g = torch.Generator().manual_seed(seed)
+    s = cfg.vae.spatial_compression * cfg.dit.patch_size[1] * 2
+    return WanGenerateRequest(text_ids=torch.randint(1, 128, (7,), generator=g),
+                              negative_text_ids=torch.randint(1, 128, (4,), generator=g), num_frames=5, height=s,
+                              width=s, num_steps=num_steps, guidance_scale=guidance_scale, seed=seed, accel=spec)
+
+
+def compare(engine_decisions, engine_trajectory, ref_decisions, ref_trajectory, tol: float) -> list[AccelC1Row]:
+    """Decisions row by row, then the latents after every step."""
+    rows: list[AccelC1Row] = []
+    n = max(len(engine_decisions), len(ref_decisions))
+    for i in range(n):
+        e = engine_decisions[i] if i < len(engine_decisions) else None
+        r = ref_decisions[i] if i < len(ref_decisions) else None
+        ok = e is not None and r is not None and _decision_view(e) == _decision_view(r)
+        step = (e or r).step
+        rows.append(AccelC1Row(step, "decision", ok, f"engine {e and _decision_view(e)} vs reference "
+                               f"{r and _decision_view(r)}" if not ok else "same", branch=(r or e).branch))
+    for step, (x_e, x_r) in enumerate(zip(engine_trajectory, ref_trajectory)):
+        err = _rel_l2(x_e, x_r)
+        rows.append(AccelC1Row(step, "latents", err <= tol, f"rel L2 {err:.3g} (tolerance {tol:g})", rel_l2=err))
+    if len(engine_trajectory) != len(ref_trajectory):
+        rows.append(AccelC1Row(min(len(engine_trajectory), len(ref_trajectory)), "latents", False,
+                               f"{len(engine_trajectory)} engine steps vs {len(ref_trajectory)} reference steps"))
+    return rows
+
+
+def run_accel_c1(family: str, spec: AccelSpec | str, *, variant: str = "tiny-2.1-t2v", weights=None, request=None,
+                 num_steps: int = 8, seed: int = 0, fault: str | None = None, extra_requests: int = 1,
+                 tol: float | None = None) -> list[AccelC1Row]:
+    """C1 rows of one accelerated request: the engine (batched with `extra_requests` other requests under the same
+    acceleration but other seeds, so rows with different decisions share its steps) vs the reference loop."""
+    if family != "wan":
+        raise ValueError(f"accel C1: family {family!r} is not wired yet (wan only)")
+    from manifests.wan import load_model_variant
+    from optimized.models.wan.denoise import WanDenoiseJob, WanDenoiseLoop
+    from optimized.models.wan.instance import WanModelInstance
+    from optimized.runtime.scheduler import WorkUnitScheduler
+    from parity.families.wan.common import contract_tolerance
+    from reference.wan.pipeline import WanReferencePipeline
+
+    spec = parse_accel(spec) if isinstance(spec, str) else spec
+    cfg = load_model_variant(variant)
+    weights = weights if weights is not None else WanModelInstance.random_weights(cfg, seed)
+    request = request if request is not None else default_request(cfg, spec, num_steps, seed)
+    others = [default_request(cfg, spec, request.num_steps, seed + 1 + i) for i in range(extra_requests)]
+    tol = tol if tol is not None else contract_tolerance("C1", "loop", "float32", "cpu").rel_l2
+
+    loop = WanDenoiseLoop(WanModelInstance(cfg, weights, weights_version=f"accel-c1:{variant}:{seed}"))
+    sched = WorkUnitScheduler()
+    with planted(fault):
+        handles = [sched.submit(loop, WanDenoiseJob(r, record_trajectory=True)) for r in [request, *others]]
+        while not sched.idle:
+            sched.tick()
+    if handles[0].status != "completed":
+        raise RuntimeError(f"accel C1: the engine request failed: {handles[0].error}")
+    engine = handles[0].result
+    ref = WanReferencePipeline(cfg, weights).generate(request, keep_trajectory=True)
+    return compare(engine["accel"]["decisions"], engine["trajectory"], ref.accel, ref.trajectory, tol)

@@ -1,0 +1,154 @@
+"""Step / residual caches and the guidance interval, engine vs reference (no upstream package needed).
+
+C1 under each acceleration: both sides decide independently and must agree on every decision and on the latents
+after every step; each check uses knobs under which some steps DO reuse / predict / skip (asserted, so the check
+is not vacuous). Negative controls: a residual store that never refreshes and a residual read from the other CFG
+branch must fail and be localised. Also: batching (a request without accel stays bitwise what it is alone; requests
+with different decisions share one batched step), trace.step shows the decisions, residuals die with the request,
+bad specs are refused with one clear message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manifests.accel import AccelSpecError, parse_accel
+from manifests.errors import RequestFieldError
+from manifests.wan import load_model_variant
+from optimized.models.wan.denoise import WanDenoiseJob, WanDenoiseLoop
+from optimized.models.wan.instance import WanModelInstance
+from optimized.runtime.scheduler import WorkUnitScheduler
+from parity.accel_checks import default_request, first_failure, run_accel_c1
+
+VARIANT = "tiny-2.1-t2v"
+# knobs chosen on the tiny random model so that some steps hit (its residual diffs are ~0.4-0.8 step to step)
+SPECS = {
+    "fbcache": "fbcache:threshold=0.5",
+    "dbcache": "dbcache:fn=1,bn=1,warmup=1,threshold=0.5",
+    "taylorseer": "taylorseer:before=1,interval=2,order=1",
+    "magcache": "magcache:ratios=1.0/0.99/0.98/0.97,retention=0.0,threshold=0.5,max_skip=2",
+    "guidance_interval": "guidance_interval:start=2,end=6",
+}
+_MODEL: dict = {}
+
+
+def tiny():
+    if not _MODEL:
+        cfg = load_model_variant(VARIANT)
+        weights = WanModelInstance.random_weights(cfg, 0)
+        _MODEL.update(cfg=cfg, weights=weights)
+    return _MODEL["cfg"], _MODEL["weights"]
+
+
+def run(requests, events: list | None = None):
+    cfg, weights = tiny()
+    loop = WanDenoiseLoop(WanModelInstance(cfg, weights, weights_version="accel-test"))
+    sched = WorkUnitScheduler()
+    if events is not None:
+        sched.bus.subscribe(events.append, "trace.step")
+    handles = [sched.submit(loop, WanDenoiseJob(r)) for r in requests]
+    while not sched.idle:
+        sched.tick()
+    assert all(h.status == "completed" for h in handles), [h.error for h in handles]
+    return loop, [h.result for h in handles]
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_c1_under_acceleration_decisions_and_latents_agree(name):
+    cfg, weights = tiny()
+    rows = run_accel_c1("wan", SPECS[name], weights=weights)
+    assert first_failure(rows) is None, first_failure(rows)
+    actions = {r.detail for r in rows if r.check == "decision"}
+    assert actions == {"same"}
+    # not vacuous: the engine really skipped work under these knobs
+    _, (res,) = run([default_request(cfg, parse_accel(SPECS[name]), 8)])
+    kinds = {d.action for d in res["accel"]["decisions"]}
+    assert "compute" in kinds and kinds & {"reuse", "predict", "skip"}, kinds
+
+
+@pytest.mark.parametrize("name", ["fbcache", "dbcache"])
+@pytest.mark.parametrize("fault", ["never_refresh", "wrong_branch"])
+def test_negative_controls_fail_and_are_localised(name, fault):
+    _, weights = tiny()
+    clean = run_accel_c1("wan", SPECS[name], weights=weights)
+    assert first_failure(clean) is None
+    bad = first_failure(run_accel_c1("wan", SPECS[name], weights=weights, fault=fault))
+    assert bad is not None, f"{fault} was not caught"
+    assert bad.step >= 1 and (bad.check == "latents" or bad.branch in ("cond", "uncond")), bad
+
+
+def test_magcache_stale_stack_residual_is_caught():
+    _, weights = tiny()
+    bad = first_failure(run_accel_c1("wan", SPECS["magcache"], weights=weights, fault="never_refresh"))
+    assert bad is not None and bad.step >= 1
+
+
+def test_exact_request_in_an_accelerated_batch_is_bitwise_itself_and_decisions_share_steps():
+    cfg, _ = tiny()
+    exact = default_request(cfg, None, 6, seed=5)
+    fast_a = default_request(cfg, parse_accel(SPECS["fbcache"]), 6, seed=1)
+    fast_b = default_request(cfg, parse_accel("fbcache:threshold=0.0"), 6, seed=2)   # threshold 0: never reuses
+    events: list = []
+    loop, (r_exact, r_a, r_b) = run([exact, fast_a, fast_b], events)
+    _, (alone,) = run([exact])
+    assert torch.equal(r_exact["latents"]["vision"], alone["latents"]["vision"])
+    assert "accel" not in r_exact
+    _, (a_alone,) = run([fast_a])
+    rel = (r_a["latents"]["vision"] - a_alone["latents"]["vision"]).norm() / a_alone["latents"]["vision"].norm()
+    assert rel < 1e-5     # batched with others vs alone: the same decisions, latents within batching noise
+    assert [d.action for d in r_a["accel"]["decisions"]] == [d.action for d in a_alone["accel"]["decisions"]]
+    # different decisions at one step, in one batched step of all three requests
+    acts_a = [d.action for d in r_a["accel"]["decisions"]]
+    acts_b = [d.action for d in r_b["accel"]["decisions"]]
+    assert "reuse" in acts_a and set(acts_b) == {"compute"}
+    assert max(e.data["batch_size"] for e in events) == 3
+    # trace.step carries each accelerated request's decisions of that step; residuals die with their requests
+    shown = [e.data["accel"] for e in events if "accel" in e.data]
+    assert len(shown) == 2 * 6 and all(len(rows) == 2 for rows in shown)
+    assert any(row["action"] == "reuse" for rows in shown for row in rows)
+    assert len(loop.residuals.store) == 0
+
+
+def test_lossy_cache_differs_from_exact():
+    """The certificate's premise: with hits, the accelerated latents are not the exact ones (and C1 still passes)."""
+    cfg, _ = tiny()
+    _, (fast, exact) = run([default_request(cfg, parse_accel(SPECS["fbcache"]), 6, seed=1),
+                            default_request(cfg, None, 6, seed=1)])
+    assert not torch.allclose(fast["latents"]["vision"], exact["latents"]["vision"], atol=1e-4)
+
+
+def test_residual_keys_name_request_branch_blocks_and_accel():
+    from optimized.accel.residual import ResidualCache, ResidualOwner
+    spec = parse_accel(SPECS["dbcache"])
+    owner = ResidualOwner("r1", "wan", "dit", "v1", "float32", "16x2x4x4", spec)
+    cache = ResidualCache()
+    k = cache.key(owner, "cond", (0, 1), "fn_residual")
+    assert dict(k.input_hashes) == {"request": "r1", "branch": "cond", "blocks": "0-1", "slot": "fn_residual",
+                                    "accel": spec.label()}
+    assert k != cache.key(owner, "uncond", (0, 1), "fn_residual")
+    other = ResidualOwner("r1", "wan", "dit", "v1", "float32", "16x2x4x4", parse_accel("dbcache:fn=1"))
+    assert k != cache.key(other, "cond", (0, 1), "fn_residual")
+    with pytest.raises(ValueError, match="slot"):
+        cache.key(owner, "cond", (0, 1), "nonsense")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("magcache", "ratios is required"),
+    ("magcache:ratios=1.0/x", "numbers"),
+    ("dbcache:fn=3,bn=1", "exceeds"),
+])
+def test_bad_specs_are_refused_with_one_message(text, message):
+    cfg, weights = tiny()
+    loop = WanDenoiseLoop(WanModelInstance(cfg, weights, weights_version="accel-test"))
+    with pytest.raises(ValueError, match=message):
+        loop.init_state(default_request(cfg, parse_accel(text), 4))
+
+
+def test_request_field_is_validated():
+    cfg, _ = tiny()
+    with pytest.raises(RequestFieldError, match="AccelSpec"):
+        default_request(cfg, "fbcache", 4).validate(cfg)
+    with pytest.raises(AccelSpecError, match="knob"):
+        parse_accel("fbcache:fn=1")
+    assert default_request(cfg, parse_accel("fbcache"), 4).validate(cfg).accel.get("threshold") == 0.05
