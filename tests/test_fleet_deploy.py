@@ -130,3 +130,15 @@ def test_fleet_card_reads_the_live_router():
     assert card["cost_model"]["seconds_per_unit"]["denoiser"]["miss"] == 0.05
     assert card["health"]["status"] == "ok"                   # denoiser-1 still serves
     assert [r["status"] for r in card["health"]["roles"]["denoiser"]] == ["dead", "healthy"]
+
+
+def test_serve_fleet_cli_bad_deployment_exits_2_with_one_message(tmp_path, capsys):
+    pytest.importorskip("fastapi")
+    from optimized.serving.fleet_server import main
+    bad = tmp_path / "d.json"
+    bad.write_text(json.dumps(_doc(roles={"encoder": {}, "denoiser": {"replicas": 0}, "decoder": {}})))
+    assert main(["--fleet", str(bad), "--output-dir", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --fleet {bad}: roles.denoiser.replicas: must be an integer >= 1, got 0"
+    assert main(["--fleet", str(tmp_path / "missing.yaml")]) == 2
+    assert "no such file" in capsys.readouterr().err

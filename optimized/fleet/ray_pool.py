@@ -71,7 +71,7 @@ class ReplicaActor:
 
     def health(self) -> HealthReport:
         return HealthReport(self.replica_id, self.role, True, inflight=self.inflight, completed=self.completed,
-                            resident=tuple(self.worker.resident()), detail=self.current or "")
+                            resident=tuple(self.worker.resident()), detail=self.current or "", pid=os.getpid())
 
     def pid(self) -> int:
         return os.getpid()

@@ -84,7 +84,8 @@ class HealthReport:
     inflight: int = 0
     completed: int = 0
     resident: tuple[str, ...] = ()
-    detail: str = ""
+    detail: str = ""                   # what it is running now ("REQUEST/role#attempt"), or why it is unhealthy
+    pid: int | None = None             # the replica's process (an operator's handle)
 
 
 class Replica(Protocol):
@@ -189,6 +190,8 @@ class _ReplicaState:
     completed: int = 0
     resident: frozenset = frozenset()
     last_probe: float = 0.0
+    running: str = ""                  # the stage it reported running at the last probe
+    pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -338,7 +341,9 @@ class Router:
                     out[rid] = False
                     continue
                 with self.lock:
-                    st.healthy, st.reason = bool(report.healthy), report.detail
+                    st.healthy = bool(report.healthy)
+                    st.reason = "" if st.healthy else report.detail
+                    st.running, st.pid = (report.detail if st.healthy else ""), report.pid
                     st.resident = frozenset(report.resident)
                 out[rid] = st.healthy
         return out
@@ -349,7 +354,7 @@ class Router:
             pools = {role: [{"replica_id": rid, "status": "dead" if st.dead else "healthy" if st.healthy else
                              "unhealthy", "inflight": st.inflight, "completed": st.completed,
                              "backlog_s": round(st.backlog_s, 6), "resident_cache_keys": len(st.resident),
-                             **({"reason": st.reason} if st.reason else {})}
+                             "running": st.running, "pid": st.pid, **({"reason": st.reason} if st.reason else {})}
                             for rid, st in sorted(pool.items())] for role, pool in self.states.items()}
         ready = all(any(r["status"] == "healthy" for r in reps) for reps in pools.values())
         return {"status": "ok" if ready else "degraded", "roles": pools}
