@@ -101,6 +101,34 @@ def test_fleet_video_is_bitwise_the_colocated_one(fleet, colocated):
     assert status["status"] == "ok" and status["roles"]["decoder"][0]["completed"] >= 1
 
 
+def test_a_prompt_goes_to_the_denoiser_holding_its_text_embedding(fleet, colocated):
+    import dataclasses
+    client, gw = fleet
+    picks, real = [], gw.router.on_event
+
+    def record(kind, rid, data):
+        if kind == "stage.completed" and data["role"] == "denoiser":
+            picks.append((data["replica"], data["cache_hit"]))
+        real(kind, rid, data)
+    gw.router.on_event = record
+    d0 = gw.router.states["denoiser"]["denoiser-0"]
+    try:
+        d0.backlog_s = 1e9                                   # denoiser-0 looks busy: the whale goes to denoiser-1
+        assert make(client, {**BODY, "prompt": "a blue whale"})["status"] == "completed"
+        d0.backlog_s = 0.0
+        whale, fox = {**BODY, "prompt": "a blue whale", "seed": 3}, {**BODY, "seed": 3}
+        for body in (whale, fox):
+            assert make(client, body)["status"] == "completed"
+        assert picks == [("denoiser-1", False), ("denoiser-1", True), ("denoiser-0", True)]
+        gw.router.routing = dataclasses.replace(gw.router.routing, affinity=False)
+        assert make(client, whale)["status"] == "completed"   # without affinity: the tie goes to denoiser-0
+        assert picks[-1] == ("denoiser-0", False)
+    finally:
+        gw.router.on_event = real
+        gw.router.routing = dataclasses.replace(gw.router.routing, affinity=True)
+        d0.backlog_s = 0.0
+
+
 def test_negative_control_a_dtype_cast_in_transit_changes_the_video(fleet, colocated):
     """The comparison has power: latents cast to bf16 between the denoiser and the decoder give another video."""
     import dataclasses

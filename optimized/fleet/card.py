@@ -110,8 +110,10 @@ def fleet_card(spec: DeploymentSpec, router: Any = None, engine_card: dict | Non
     pools = tuple(RolePool(p.role, tuple(spec.replica_ids(p.role)), p.num_cpus, p.num_gpus, p.ranks, p.max_inflight)
                   for p in spec.roles)
     endpoints = tuple(TransferEndpoint(a, b, spec.transport) for a, b in zip(ROLES, ROLES[1:]))
-    caches = (CacheEventSpec("text_encoder_output", "encoder", "sha256(prompt ids, negative prompt ids, weights "
-                             "version)", ("cache.stored", "cache.hit", "cache.evicted")),)
+    events = ("cache.stored", "cache.hit", "cache.evicted")
+    caches = (CacheEventSpec("image_encode", "encoder", "image:sha256(pixels):shape:dtype:weights version", events),
+              CacheEventSpec("text_encoder_output", "denoiser", "text_ids:sha256(prompt token ids) (the text "
+                             "encoder's CacheKey input hash; made by the denoise loop)", events))
     if router is not None:
         cost = router.cost.to_dict()
     else:

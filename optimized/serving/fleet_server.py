@@ -12,11 +12,14 @@ replicas the router picks, failover from the last completed stage when a replica
 
 Stages (`EngineStageWorker`, one per replica, each with its own resident Engine and scheduler) are the co-located
 VideoProgram's, cut at its boundaries and named by role: encoder = the media chain's image encode + conditioning
-(a pass-through for a request without an image; its output is cached by the image's content hash, the router's
-affinity key), denoiser = the family's denoise loop (text encoding included, through its content-hash cache),
+(a pass-through for a request without an image; its output cached by the image's content hash), denoiser = the
+family's denoise loop (text encoding included, through the text encoder's content-hash CacheStore on that replica),
 decoder = the chunked VAE decode (+ the sound decoder). Same kernels, same inputs, same order: the fleet's video is
-bitwise the co-located engine's on CPU fp32 (tests/test_fleet_ray_serve.py). Within a stage, cancellation and
-progress are per stage (the replica's scheduler owns the step boundaries).
+bitwise the co-located engine's on CPU fp32 (tests/test_fleet_router_serve.py in-process, test_fleet_ray_serve.py
+on Ray). Affinity: a replica reports the input hashes of its CacheStores' entries; a request's prompt
+(`text_ids:<sha256>`) goes to the denoiser already holding its embedding, unless that one is far behind (cost).
+Within a stage, cancellation and progress are per stage (the replica's scheduler owns the step boundaries); decode
+chunks are not streamed (`on_output` is refused).
 """
 
 from __future__ import annotations
@@ -109,9 +112,16 @@ class EngineStageWorker:
         self.media = media_chain(self.engine)
         self.cache: OrderedDict[str, Any] = OrderedDict()   # encoder: image content hash -> encode result
         self.cache_entries = cache_entries
+        self.stores = cache_stores(self.engine.model)       # the model's own caches (e.g. text embeddings)
 
     def resident(self) -> tuple[str, ...]:
-        return tuple(self.cache)
+        """Affinity keys of what this replica holds: the encoder's image encodes, and "NAME:HASH" for every input
+        hash of every entry in the model's CacheStores (a text-embedding entry: "text_ids:<sha256>")."""
+        held = dict.fromkeys(self.cache)
+        for store in self.stores:
+            for key in store.keys():
+                held.update(dict.fromkeys(f"{name}:{h}" for name, h in key.input_hashes))
+        return tuple(held)
 
     def run_stage(self, call: StageCall) -> StageOutput:
         rid = f"{call.request_id}/{STAGE_OF_ROLE[call.role]}#{call.attempt}"
@@ -133,6 +143,7 @@ class EngineStageWorker:
                 req = self.media.condition(req, encoded)
             out: Any = DenoiserInput(req)
         elif call.role == "denoiser":
+            hit = call.cache_key is not None and call.cache_key in self.resident()
             entry = self.engine.family
             loop = entry.loop_for(p.request)
             result = _run_on(self.engine, self.engine.loop(loop), entry.make_job(loop, p.request), rid)
@@ -143,6 +154,24 @@ class EngineStageWorker:
                             self.media.decode_request(rid, p.latents["vision"]), rid)
             out = DecodedVideo(to_uint8_frames(video), self.media.decode_audio(p.latents))
         return StageOutput(out, 0.0, cache_hit=hit, bytes_moved=payload_bytes(out))
+
+
+def cache_stores(obj: Any, seen: set | None = None, depth: int = 0) -> list[Any]:
+    """Every CacheStore an instance holds (attributes, dicts, lists of the runtime's objects), each once."""
+    from optimized.runtime.cache import CacheStore
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 5:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, CacheStore):
+        return [obj]
+    if isinstance(obj, dict):
+        return [s for v in obj.values() for s in cache_stores(v, seen, depth + 1)]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in cache_stores(v, seen, depth + 1)]
+    if hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith("optimized"):
+        return [s for v in vars(obj).values() for s in cache_stores(v, seen, depth + 1)]
+    return []
 
 
 def make_stage_worker(model: ModelSource, role: str) -> EngineStageWorker:
@@ -160,15 +189,29 @@ def image_key(image: Any, weights_version: Any) -> str | None:
     return f"image:{digest}:{list(data.shape)}:{data.dtype}:{weights_version}"
 
 
+def text_key(request: Any) -> str | None:
+    """The denoiser's affinity key: the content hash of the request's prompt token ids (what a text-embedding
+    CacheKey carries as its `text_ids` input hash), None for a request without them."""
+    ids = getattr(request, "text_ids", None)
+    if ids is None:
+        return None
+    import torch
+
+    from optimized.runtime.cache import content_hash
+    return f"text_ids:{content_hash(torch.as_tensor(ids).reshape(-1).to(torch.int64).cpu())}"
+
+
 def stage_plans(request: Any, image: Any, weights_version: Any) -> list[StagePlan]:
-    """The request's three stages, priced in the cost model's units (UNITS in optimized/fleet/card.py)."""
+    """The request's three stages, priced in the cost model's units (UNITS in optimized/fleet/card.py); the
+    encoder's affinity key is the image's, the denoiser's the prompt's (its text embedding is made and cached by
+    the denoise loop's text encoder on the replica that ran it)."""
     steps = getattr(request, "num_steps", None) or 1
     dims = [getattr(request, n, None) for n in ("latent_frames", "latent_height", "latent_width")]
     tokens = 1
     for d in dims:
         tokens *= d or 1
     return [StagePlan("encoder", 1.0, image_key(image, weights_version)),
-            StagePlan("denoiser", float(steps * tokens)), StagePlan("decoder", float(tokens))]
+            StagePlan("denoiser", float(steps * tokens), text_key(request)), StagePlan("decoder", float(tokens))]
 
 
 class FleetProgram:
