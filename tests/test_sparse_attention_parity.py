@@ -2,7 +2,6 @@
 backends; the planted drop-diagonal fault fails every row and is named as the diagonal tile; a different mask bug
 (a window one tile too wide) is told apart from it; bad input exits 2."""
 
-import pytest
 import torch
 
 from manifests.accel import parse_accel

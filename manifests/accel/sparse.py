@@ -69,9 +69,10 @@ class StaParams:
     backend: str
 
     @classmethod
-    def from_spec(cls, spec: AccelSpec) -> "StaParams":
+    def from_spec(cls, spec: AccelSpec) -> StaParams:
         if spec.name not in SPARSE_KIND_NAMES:
-            raise AccelSpecError(f"accel {spec.name}: not a sparse-attention kind ({', '.join(sorted(SPARSE_KIND_NAMES))})")
+            raise AccelSpecError(f"accel {spec.name}: not a sparse-attention kind "
+                                 f"({', '.join(sorted(SPARSE_KIND_NAMES))})")
         g = spec.get
         for knob in ("tile_t", "tile_h", "tile_w", "window_t", "window_h", "window_w", "start_step", "start_block"):
             if not isinstance(g(knob), int) or isinstance(g(knob), bool):   # a hand-built AccelSpec skips coercion

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import math
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -190,7 +190,7 @@ def sparse_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gri
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"sparse attention: q, k, v must be equal [B, S, heads, head_dim], got "
                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
-    B, S, heads, _ = q.shape
+    B, S = q.shape[:2]
     if S != math.prod(grid):
         raise ValueError(f"sparse attention: {S} tokens do not fill the grid {grid} ({math.prod(grid)} tokens)")
     if step is not None and not isinstance(step, int):
@@ -212,7 +212,7 @@ def sparse_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gri
 
 
 def _sparse(q, k, v, grid, params: StaParams, compile_flex: bool | None) -> tuple[torch.Tensor, int]:
-    B, S, heads, _ = q.shape
+    B, S, heads = q.shape[:3]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     removed_per_head = S * S - _kept_pairs(grid, params.tile, params.window, "drop_diagonal" in FAULTS)
     if removed_per_head == 0:       # nothing to skip: the dense kernel, bitwise the exact path
@@ -248,4 +248,5 @@ def flex_block_stats(grid: tuple[int, int, int], spec: AccelSpec) -> dict[str, i
             "pairs_removed_by_mask": S * S - _kept_pairs(grid, params.tile, params.window, "drop_diagonal" in FAULTS)}
 
 
-__all__ = ["FAULTS", "KNOWN_FAULTS", "applies", "flex_block_stats", "flex_token_mask", "planted", "sparse_self_attention", "token_mask"]
+__all__ = ["FAULTS", "KNOWN_FAULTS", "applies", "flex_block_stats", "flex_token_mask", "planted",
+           "sparse_self_attention", "token_mask"]
