@@ -276,3 +276,13 @@ def test_ledger_commits_a_stage_and_the_artifact_once():
 def test_router_refuses_an_empty_pool():
     with pytest.raises(ValueError, match="no replica for role 'decoder'"):
         Router({"encoder": [FakeReplica("encoder", 0)], "denoiser": [FakeReplica("denoiser", 0)], "decoder": []})
+
+
+def test_a_replica_at_max_inflight_is_passed_over_while_another_is_free():
+    router, pools, _ = fleet()
+    router.max_inflight = {"denoiser": 1}
+    d0, d1 = router.states["denoiser"]["denoiser-0"], router.states["denoiser"]["denoiser-1"]
+    d0.inflight, d0.backlog_s, d1.backlog_s = 1, 0.0, 50.0      # d0 predicts earlier but is full
+    assert router.place(StagePlan("denoiser", 4)).replica.replica_id == "denoiser-1"
+    d1.inflight = 1                                             # both full: the earliest predicted finish
+    assert router.place(StagePlan("denoiser", 4)).replica.replica_id == "denoiser-0"

@@ -129,6 +129,28 @@ def test_a_prompt_goes_to_the_denoiser_holding_its_text_embedding(fleet, colocat
         d0.backlog_s = 0.0
 
 
+def test_delete_of_an_unfinished_fleet_video_cancels_it_and_leaves_nothing(fleet):
+    client, gw = fleet
+    vid = client.post("/v1/videos", json={**BODY, "steps": 60}).json()["id"]
+    assert client.delete(f"/v1/videos/{vid}").json() == {"id": vid, "object": "video.deleted", "deleted": True}
+    assert client.get(f"/v1/videos/{vid}").status_code == 404
+    t0 = time.monotonic()
+    while gw.programs and time.monotonic() - t0 < 60:        # the program ends at its next stage boundary
+        time.sleep(0.05)
+    assert not gw.programs
+    time.sleep(0.2)
+    assert not [p for p in client.app.state.store.output_dir.iterdir() if p.name.startswith(vid)]
+
+
+def test_transport_not_wired_to_the_backend_is_refused():
+    import dataclasses
+
+    from optimized.fleet.deployment import DeploymentError
+    from optimized.serving.fleet_server import FleetGateway
+    with pytest.raises(DeploymentError, match="transport: 'shared_memory' is not wired to placement.backend local"):
+        FleetGateway.start(dataclasses.replace(spec(), transport="shared_memory"))
+
+
 def test_negative_control_a_dtype_cast_in_transit_changes_the_video(fleet, colocated):
     """The comparison has power: latents cast to bf16 between the denoiser and the decoder give another video."""
     import dataclasses

@@ -336,6 +336,10 @@ class FleetGateway:
     @classmethod
     def start(cls, spec: DeploymentSpec, front: Any | None = None,
               worker_factory: Callable[[str], Any] | None = None) -> "FleetGateway":
+        wired = {"ray": "ray_object_store", "local": "inprocess"}[spec.placement.backend]
+        if spec.transport != wired:   # shared_memory / torch_dist move fleetcore's TransferManifests, not wired here
+            raise DeploymentError("transport", f"{spec.transport!r} is not wired to placement.backend "
+                                  f"{spec.placement.backend} by the fleet server yet; use {wired}")
         front = load_model(spec.model) if front is None else front
         factory = worker_factory or partial(make_stage_worker, spec.model)
         if spec.placement.backend == "ray":
