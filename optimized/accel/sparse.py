@@ -224,12 +224,13 @@ def _sparse(q, k, v, grid, params: StaParams, compile_flex: bool | None) -> tupl
     return out.transpose(1, 2), removed_per_head * B * heads
 
 
-def flex_block_stats(grid: tuple[int, int, int], spec: AccelSpec) -> dict[str, int]:
+def flex_block_stats(grid: tuple[int, int, int], spec: AccelSpec, device: torch.device | str = "cpu") -> dict[str, int]:
     """What the FlexAttention kernel really skips for this grid: blocks of the BlockMask that are empty, and the
-    (query, key) pairs inside them, per batch row and head (mask-removed pairs in partial blocks are computed)."""
+    (query, key) pairs inside them, per batch row and head (mask-removed pairs in partial blocks are computed).
+    `device`: where the (cached) BlockMask lives, so the one a run built is the one counted."""
     params = StaParams.from_spec(spec)
     grid = check_grid(grid)
-    _, _, block_mask = _flex_layout(grid, params.tile, params.window, "drop_diagonal" in FAULTS, "cpu")
+    _, _, block_mask = _flex_layout(grid, params.tile, params.window, "drop_diagonal" in FAULTS, str(device))
     S = math.prod(grid)
     bq, bk = block_mask.BLOCK_SIZE
     rows, cols = math.ceil(S / bq), math.ceil(S / bk)
@@ -238,6 +239,7 @@ def flex_block_stats(grid: tuple[int, int, int], spec: AccelSpec) -> dict[str, i
                            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
         if kv_num is None:
             continue
+        kv_num, kv_idx = kv_num.cpu(), kv_idx.cpu()
         for r in range(rows):
             visited[r, kv_idx[0, 0, r, :int(kv_num[0, 0, r])].long()] = True
     sizes_q = torch.tensor([min(bq, S - r * bq) for r in range(rows)])
