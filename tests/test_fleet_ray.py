@@ -28,8 +28,12 @@ class SlowWorker:
         if self.role == "encoder":
             hit = call.cache_key in self.cache
             self.cache[call.cache_key] = emb = self.cache.get(call.cache_key, sum(map(ord, call.payload["prompt"])))
-            return StageOutput({"emb": emb, "steps": call.payload["steps"]}, 0.0, cache_hit=hit, bytes_moved=8)
+            return StageOutput({"emb": emb, "steps": call.payload["steps"],
+                                "hang_first": call.payload.get("hang_first", False)}, 0.0, cache_hit=hit,
+                               bytes_moved=8)
         if self.role == "denoiser":
+            if call.payload.get("hang_first") and call.attempt == 1:
+                time.sleep(600)                       # a replica that stops answering
             x = call.payload["emb"]
             for s in range(call.payload["steps"]):
                 time.sleep(self.delay)
@@ -65,7 +69,7 @@ def test_actor_body_in_process_reports_health_and_residency():
     actor = ReplicaActor("encoder-0", "encoder", make_worker)
     out = actor.run_stage(type("C", (), {"request_id": "r", "role": "encoder", "attempt": 1, "cache_key": "k",
                                          "payload": {"prompt": "p", "steps": 2}})())
-    assert out.payload == {"emb": ord("p"), "steps": 2} and out.resident == ("k",) and out.seconds >= 0
+    assert out.payload == {"emb": ord("p"), "steps": 2, "hang_first": False} and out.resident == ("k",) and out.seconds >= 0
     h = actor.health()
     assert h.healthy and h.completed == 1 and h.inflight == 0 and h.resident == ("k",)
 
@@ -147,5 +151,34 @@ def test_ray_denoiser_killed_mid_stage_completes_on_the_other(ray_cluster):
             router.run("r2", {"prompt": "p", "steps": 40}, PLANS, finish=writes.append)
         killer.join(30)
         assert writes == [art]
+    finally:
+        pools.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_a_silent_replica_is_killed_at_the_stage_timeout_and_failed_over(ray_cluster):
+    import dataclasses
+
+    from optimized.fleet.ray_pool import RayRolePools
+    spec = parse_deployment(spec_doc("ray"))
+    spec = dataclasses.replace(spec, routing=dataclasses.replace(spec.routing, stage_timeout_s=3.0))
+    pools = RayRolePools.start(spec, make_worker)
+    try:
+        d0 = pools.replicas["denoiser"][0]
+        pid = d0.pid()
+        router = Router(pools.replicas, spec.routing)
+        t0 = time.monotonic()
+        art, ledger = router.run("r1", {"prompt": "p", "steps": 40, "hang_first": True}, PLANS)
+        assert time.monotonic() - t0 < 60
+        assert art == expected() and ledger.completed["denoiser"].replica_id == "denoiser-1"
+        assert "denoiser-0 died: no answer within 3 s (actor killed)" in ledger.failures[0]
+        for _ in range(100):                      # the silent actor's process is gone: no late answer can come
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the timed-out actor's process {pid} is still alive")
     finally:
         pools.shutdown()
