@@ -5,11 +5,12 @@ caption grammar (`shapes`), a closed-form prompt-adherence evaluator (`adherence
 
 from parity.quality.adherence import AdherenceScore, AttributeVerdict, adherence_rate, score_clip
 from parity.quality.distribution import DistributionResult, distribution_test
+from parity.quality.evaluate import AdherenceReport, engine_clip, held_out_adherence
 from parity.quality.image import ImageQuality, psnr, ssim, video_quality
 from parity.quality.shapes import (COLOURS, DIRECTIONS, HELD_OUT, SHAPES, SPEEDS, Caption, HeldOutRequest,
                                    all_captions, parse_caption, render_clip, training_captions)
 
-__all__ = ["AdherenceScore", "AttributeVerdict", "COLOURS", "Caption", "DIRECTIONS", "DistributionResult", "HELD_OUT",
+__all__ = ["AdherenceReport", "AdherenceScore", "AttributeVerdict", "COLOURS", "Caption", "DIRECTIONS", "DistributionResult", "HELD_OUT",
            "HeldOutRequest", "ImageQuality", "SHAPES", "SPEEDS", "adherence_rate", "all_captions",
-           "distribution_test", "parse_caption", "psnr", "render_clip", "score_clip", "ssim", "training_captions",
+           "distribution_test", "engine_clip", "held_out_adherence", "parse_caption", "psnr", "render_clip", "score_clip", "ssim", "training_captions",
            "video_quality"]
