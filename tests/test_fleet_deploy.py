@@ -142,3 +142,8 @@ def test_serve_fleet_cli_bad_deployment_exits_2_with_one_message(tmp_path, capsy
     assert err == f"error: --fleet {bad}: roles.denoiser.replicas: must be an integer >= 1, got 0"
     assert main(["--fleet", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
+    unknown = tmp_path / "u.json"
+    unknown.write_text(json.dumps(_doc(model={"family": "wan", "variant": "tiny-9"})))
+    assert main(["--fleet", str(unknown), "--port", "0", "--output-dir", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: wan has no variant 'tiny-9'") and "\n" not in err

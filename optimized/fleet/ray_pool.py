@@ -184,7 +184,11 @@ class RayRolePools:
                     index += 1
             for role in ROLES:   # every actor built its worker (the model loaded) before the fleet serves
                 for r in pools.replicas[role]:
-                    r._get(r.actor.pid.remote(), ready_timeout_s)
+                    try:
+                        r._get(r.actor.pid.remote(), ready_timeout_s)
+                    except ReplicaDied as e:
+                        raise RayUnavailable(f"replica {r.replica_id} did not start ({e.reason}); its log is under "
+                                             f"the Ray session's logs/") from None
         except BaseException:
             pools.shutdown()
             raise
