@@ -96,7 +96,7 @@ def token_mask(grid: tuple[int, int, int], params: StaParams, device: torch.devi
     return _token_mask(check_grid(grid), params.tile, params.window, "drop_diagonal" in FAULTS, str(device))
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=2)      # an [S, S] bool each: 1 GiB at a released Wan 480p grid
 def _token_mask(grid, tile, window, drop_diagonal: bool, device: str) -> torch.Tensor:
     (it, _, _, nt), (ih, _, _, nh), (iw, _, _, nw) = _tables(grid, tile, window)
     T, H, W = grid
