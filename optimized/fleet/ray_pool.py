@@ -150,11 +150,9 @@ class RayRolePools:
         pools = cls(spec)
         if not ray.is_initialized():
             kw: dict = {"include_dashboard": False, "log_to_driver": False}
-            if spec.placement.address == "local":
-                if spec.placement.num_cpus is not None:
-                    kw["num_cpus"] = spec.placement.num_cpus
-            else:
-                kw["address"] = spec.placement.address
+            kw["address"] = spec.placement.address   # "local": always a new cluster (never one found on the machine)
+            if spec.placement.address == "local" and spec.placement.num_cpus is not None:
+                kw["num_cpus"] = spec.placement.num_cpus
             try:
                 ray.init(**kw)
             except (ConnectionError, RuntimeError, ValueError) as e:
