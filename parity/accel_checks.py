@@ -72,7 +72,7 @@ def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _decision_view(d) -> tuple:
-    return d.step, d.branch, d.action, d.blocks_computed, d.blocks_reused
+    return d.step, d.branch, d.action, d.blocks_computed, d.blocks_reused, d.keys_skipped
 
 
 def default_request(cfg, spec: AccelSpec, num_steps: int = 6, seed: int = 0, guidance_scale: float = 5.0):
@@ -136,3 +136,36 @@ def run_accel_c1(family: str, spec: AccelSpec | str, *, variant: str = "tiny-2.1
     engine = handles[0].result
     ref = WanReferencePipeline(cfg, weights).generate(request, keep_trajectory=True)
     return compare(engine["accel"]["decisions"], engine["trajectory"], ref.accel, ref.trajectory, tol)
+
+
+def accel_report(family: str, accel: str, *, seed: int = 0, fault: str | None = None, variant: str | None = None,
+                 num_steps: int = 8):
+    """`fvparity run FAMILY --level C1 --accel NAME[:knobs]`: the C1 rows as a Report, one check per step (that
+    step's decisions of every branch, then its latents); the first failing check names the step and the branch.
+    A malformed spec or an unknown fault is a SetupError (exit 2)."""
+    from manifests.accel import AccelSpecError
+    from parity.errors import SetupError
+    from parity.report import CheckResult, Report
+    try:
+        spec = parse_accel(accel)
+    except AccelSpecError as e:
+        raise SetupError(str(e)) from None
+    if fault is not None and fault not in FAULTS:
+        raise SetupError(f"unknown accel fault {fault!r} (known: {', '.join(FAULTS)})")
+    if family != "wan":
+        raise SetupError(f"--accel: family {family!r} is not wired yet (wan only)")
+    try:
+        rows = run_accel_c1(family, spec, seed=seed, fault=fault, num_steps=num_steps,
+                            **({"variant": variant} if variant else {}))
+    except ValueError as e:   # a spec the model cannot run (e.g. dbcache fn + bn > the DiT's blocks)
+        raise SetupError(str(e)) from None
+    report = Report(family=family, level="C1", settings={"accel": spec.label(), "seed": seed, "fault": fault,
+                                                          "steps": num_steps})
+    for step in sorted({r.step for r in rows}):
+        mine = [r for r in rows if r.step == step]
+        bad = [r for r in mine if not r.ok]
+        detail = "; ".join(f"{r.check}{'/' + r.branch if r.branch else ''}: {r.detail}" for r in (bad or mine[-1:]))
+        report.checks.append(CheckResult(name=f"accel {spec.name} step {step}", passed=not bad, detail=detail,
+                                         divergence=None if not bad else f"step {step}" + (
+                                             f" branch {bad[0].branch}" if bad[0].branch else "")))
+    return report

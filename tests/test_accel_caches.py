@@ -152,3 +152,32 @@ def test_request_field_is_validated():
     with pytest.raises(AccelSpecError, match="knob"):
         parse_accel("fbcache:fn=1")
     assert default_request(cfg, parse_accel("fbcache"), 4).validate(cfg).accel.get("threshold") == 0.05
+
+
+STA = "sta:tile_t=1,tile_h=1,tile_w=1,window_t=0,window_h=0,window_w=1,start_step=2"
+
+
+def test_sparse_attention_is_routed_through_both_sides_with_keys_counted():
+    """A sparse kind routes wan self-attention through optimized/accel/sparse.py and reference/wan/sparse_attention.py
+    (the sparse-attention work's functions); C1 compares their keys_skipped too, per step and branch."""
+    pytest.importorskip("optimized.accel.sparse")
+    cfg, weights = tiny()
+    rows = run_accel_c1("wan", STA, weights=weights, num_steps=4)
+    assert first_failure(rows) is None, first_failure(rows)
+    # one batch holding requests at different steps: each row's own step decides its mask and its count
+    early = default_request(cfg, parse_accel(STA), 4, seed=1)
+    late = default_request(cfg, parse_accel(STA), 4, seed=2)
+    cfg_, weights_ = tiny()
+    loop = WanDenoiseLoop(WanModelInstance(cfg_, weights_, weights_version="accel-test"))
+    sched = WorkUnitScheduler()
+    h1 = sched.submit(loop, WanDenoiseJob(early))
+    sched.tick()
+    sched.tick()
+    h2 = sched.submit(loop, WanDenoiseJob(late))
+    while not sched.idle:
+        sched.tick()
+    _, (alone,) = run([late])
+    counts = [(d.step, d.keys_skipped) for d in h2.result["accel"]["decisions"]]
+    assert counts == [(d.step, d.keys_skipped) for d in alone["accel"]["decisions"]]
+    assert {c for s, c in counts if s < 2} == {0} and all(c > 0 for s, c in counts if s >= 2)
+    assert h1.status == "completed"

@@ -26,8 +26,11 @@ class CachedStack(Protocol):
     num_layers: int
     dtype: torch.dtype
 
-    def embed(self, inputs: Sequence[Any]) -> Any:
-        """The rows' embeddings (a batch object with `x`: the block stack's input [B, N, D])."""
+    keys_skipped: list[int]          # per embedded row: attention pairs a sparse mask removed (0 without one)
+
+    def embed(self, inputs: Sequence[Any], steps: list[int]) -> Any:
+        """The rows' embeddings (a batch object with `x`: the block stack's input [B, N, D]); `steps`: each row's
+        denoising step."""
 
     def run_blocks(self, batch: Any, x: torch.Tensor, rows: list[int], start: int, end: int) -> torch.Tensor:
         """Blocks [start, end) on x [len(rows), N, D], rows = indices into the embedded batch."""
@@ -70,7 +73,7 @@ def cached_forward(stack: CachedStack, inputs: Sequence[Any], rows: Sequence[Acc
 
     run = [j for j, a in enumerate(actions) if a in ("compute", "decide", "reuse")]
     if run:
-        batch = stack.embed([inputs[j] for j in run])
+        batch = stack.embed([inputs[j] for j in run], [rows[j].step for j in run])
         x0 = list(batch.x.split(1))                    # one [1, N, D] per running row, in `run` order
         xs = list(x0)
         pos = {j: i for i, j in enumerate(run)}
@@ -126,12 +129,14 @@ def cached_forward(stack: CachedStack, inputs: Sequence[Any], rows: Sequence[Acc
                 previous = cache.load(r.owner, r.branch, full, "taylor")
                 cache.store_value(r.owner, r.branch, full, "taylor", r.rule.update(r.step, h, previous))
             metric = metrics.get(j, getattr(r.rule, "last_metric", None))
+            skipped = stack.keys_skipped[pos[j]] if stack.keys_skipped else 0
             if actions[j] == "reuse":
                 k = plans[j].decide_at
                 decisions[j] = AccelDecision(r.step, r.branch, "reuse", blocks_computed=(0, k) if k else None,
-                                             blocks_reused=(k, skip_until[j]), metric=metric)
+                                             blocks_reused=(k, skip_until[j]), metric=metric, keys_skipped=skipped)
             else:
-                decisions[j] = AccelDecision(r.step, r.branch, "compute", blocks_computed=full, metric=metric)
+                decisions[j] = AccelDecision(r.step, r.branch, "compute", blocks_computed=full, metric=metric,
+                                             keys_skipped=skipped)
     for r, d in zip(rows, decisions):
         r.rule.after(r.step, d.action)
     return outputs, list(decisions)

@@ -82,16 +82,21 @@ class BranchCache:
             return self.taylorseer(model, step, x, timestep, text, image_embeds)
 
         tokens, context, modulation, rope, temb, grid = model.embed(x, timestep, text, image_embeds)
-        attend, skipped = attention, [0]
-        if self.is_sparse:
+        skipped = [0]
+
+        def attend_in(block_index):
+            if not self.is_sparse:
+                return attention
+
             def attend(q, k, v):
-                out, n = sparse_attention(q, k, v, grid, self.spec)
+                out, n = sparse_attention(q, k, v, grid, self.spec, step=step, block=block_index)
                 skipped[0] += int(n)
                 return out
+            return attend
 
         def blocks(h, start, end):
-            for block in model.blocks[start:end]:
-                h = block(h, context, modulation, rope, self_attention=attend)
+            for i in range(start, end):
+                h = model.blocks[i](h, context, modulation, rope, self_attention=attend_in(i))
             return h
 
         if name == "fbcache":

@@ -356,10 +356,6 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         sparse_spec = next((s.accel.spec for s in states if is_sparse(s.accel.spec)), None)
         stack = WanCachedStack(dit, self._sparse_attention(sparse_spec) if sparse_spec is not None else None)
         outputs, decisions = cached_forward(stack, inputs, rows, self.residuals)
-        if sparse_spec is not None:   # one mask for the batch: the skipped keys split evenly over its computed rows
-            ran = [d for d in decisions if d.action == "compute"]
-            decisions = [replace(d, keys_skipped=stack.keys_skipped // len(ran)) if d.action == "compute" else d
-                         for d in decisions]
         out, i = [], 0
         for s in states:
             n = len(s.accel.rules)
@@ -375,7 +371,7 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
     @staticmethod
     def _sparse_attention(spec: AccelSpec):
         from optimized.accel.sparse import sparse_self_attention  # written by the sparse-attention work
-        return lambda q, k, v, grid: sparse_self_attention(q, k, v, grid, spec)
+        return lambda q, k, v, grid, **where: sparse_self_attention(q, k, v, grid, spec, **where)
 
     def run_step(self, states: Sequence[WanDenoiseState], plans: Sequence[WorkPlan]) -> list[WanDenoiseState]:
         out = []

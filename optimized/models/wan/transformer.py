@@ -506,41 +506,50 @@ class WanCachedStack:
     timestep, text, image_embeds; batch dim 1 each) in one call, any block range on any subset of them, the head.
     Eager and single-device (the accelerated step is refused under sequence / tensor parallelism and LoRA).
 
-    `self_attention(q, k, v, grid) -> (out, keys_skipped)`: a sparse self-attention ([B, N, H, d] in and out, the
-    post-patch grid); the keys it skipped are summed in `keys_skipped`."""
+    `self_attention(q, k, v, grid, step=, block=) -> (out, keys_skipped)`: a sparse self-attention ([B, N, H, d] in
+    and out, the post-patch grid, this call's denoising step and block). It runs once per group of rows at the same
+    step, so `keys_skipped[row]` (the (query, key) pairs its mask removed, summed over heads and blocks) is exact."""
 
     def __init__(self, dit: WanDiTFast, self_attention=None) -> None:
         if dit._sp_degree() > 1 or dit.tp is not None:
             raise WanDiTInputError("accelerations run on a single-device DiT (no sequence / tensor parallel plan)")
         self.dit, self.num_layers, self.dtype = dit, dit.cfg.num_layers, dit.dtype
         self.self_attention = self_attention
-        self.keys_skipped = 0
+        self.steps: list[int] = []
+        self.keys_skipped: list[int] = []
 
-    def embed(self, inputs) -> EmbeddedBatch:
+    def embed(self, inputs, steps: list[int]) -> EmbeddedBatch:
         ts = [r.timestep for r in inputs]
         if len({t.dtype for t in ts}) > 1:  # int and float timesteps in one batch: the DiT embeds them as fp32 anyway
             ts = [t.to(torch.float32) for t in ts]
         images = None if inputs[0].image_embeds is None else torch.cat([r.image_embeds for r in inputs])
+        self.steps, self.keys_skipped = list(steps), [0] * len(steps)
         with torch.no_grad():
             return self.dit._embed(torch.cat([r.latents for r in inputs]), torch.cat(ts),
                                    torch.cat([r.text for r in inputs]), images, None)
 
-    def _attention(self, grid):
+    def _attention(self, grid, rows: list[int], block: int):
         if self.self_attention is None:
             return None
 
         def attend(q, k, v):
-            out, skipped = self.self_attention(q, k, v, grid)
-            self.keys_skipped += int(skipped)
+            out = torch.empty_like(q)
+            for step in sorted({self.steps[r] for r in rows}):
+                group = [i for i, r in enumerate(rows) if self.steps[r] == step]
+                idx = torch.tensor(group, device=q.device)
+                o, skipped = self.self_attention(q[idx], k[idx], v[idx], grid, step=step, block=block)
+                out[idx] = o
+                for i in group:
+                    self.keys_skipped[rows[i]] += int(skipped) // len(group)
             return out
         return attend
 
     @torch.no_grad()
     def run_blocks(self, batch: EmbeddedBatch, x: torch.Tensor, rows: list[int], start: int, end: int) -> torch.Tensor:
         b = batch.rows(rows)
-        attention = self._attention(batch.grid)
-        for block in self.dit.blocks[start:end]:
-            x = self.dit._block_forward(block, x, b.ctx, b.img, b.timestep_proj, b.rope, self_attention=attention)
+        for i in range(start, end):
+            x = self.dit._block_forward(self.dit.blocks[i], x, b.ctx, b.img, b.timestep_proj, b.rope,
+                                        self_attention=self._attention(batch.grid, rows, i))
         return x
 
     @torch.no_grad()
