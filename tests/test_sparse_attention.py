@@ -242,3 +242,21 @@ def test_rows_at_different_steps_decide_each_for_itself():
     assert per_row > 0 and removed == 2 * per_row
     with pytest.raises(ValueError, match="2 steps given for a batch of 3"):
         opt.sparse_self_attention(q, k, v, grid, spec, step=[1, 2])
+
+
+def test_flops_skipped_counts_both_matmuls():
+    from manifests.accel.sparse import attention_flops_skipped
+    # one removed pair at head_dim 8: q.k (8 multiplies + 8 adds) and p.v (8 + 8)
+    assert attention_flops_skipped(1, 8) == 32 and attention_flops_skipped(0, 128) == 0
+
+
+@pytest.mark.slow
+def test_compiled_flex_matches_reference():
+    # what CUDA runs by default: torch.compile(flex_attention) with the BlockMask (~30 s to compile on CPU)
+    grid, knobs = CASES[1]
+    q, k, v = _qkv(grid, head_dim=16)
+    spec = _sta(**knobs, backend="flex")
+    got, removed = opt.sparse_self_attention(q, k, v, grid, spec, compile_flex=True)
+    want, want_removed = ref.sparse_self_attention(q, k, v, grid, spec)
+    assert removed == want_removed
+    torch.testing.assert_close(got.flatten(2, 3), want, rtol=0, atol=2e-6)

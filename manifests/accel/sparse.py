@@ -100,6 +100,12 @@ class StaParams:
         return bool(self.start_step or self.end_step is not None or self.start_block or self.end_block is not None)
 
 
+def attention_flops_skipped(keys_skipped: int, head_dim: int) -> int:
+    """FLOPs a kernel that truly skips the removed pairs saves: 2 * head_dim for q.k and 2 * head_dim for p.v per
+    (query, key) pair (multiply-adds counted as 2; the softmax's exp is not counted)."""
+    return 4 * head_dim * keys_skipped
+
+
 def check_grid(grid: object) -> tuple[int, int, int]:
     """The post-patch grid (T, H, W) as three positive ints; ValueError otherwise (a caller bug, not a bad spec)."""
     if (not isinstance(grid, (tuple, list)) or len(grid) != 3
@@ -108,4 +114,4 @@ def check_grid(grid: object) -> tuple[int, int, int]:
     return int(grid[0]), int(grid[1]), int(grid[2])
 
 
-__all__ = ["BACKENDS", "KINDS", "SPARSE_KIND_NAMES", "StaParams", "check_grid"]
+__all__ = ["BACKENDS", "KINDS", "SPARSE_KIND_NAMES", "StaParams", "attention_flops_skipped", "check_grid"]
