@@ -93,13 +93,14 @@ VARIANTS: dict[str, Ltx2ConnectorsConfig] = {
         video_connector_attention_head_dim=8, video_connector_num_layers=2, video_connector_num_learnable_registers=4,
         audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
         audio_connector_num_learnable_registers=4),
-    # LTX-2.3 switches: per-modality projections (with bias), gated attention, split RoPE, no audio registers
+    # LTX-2.3 switches, as wide as the tiny-2.3 transformer's text cross-attention: per-modality projections
+    # (with bias), gated attention, split RoPE, no audio registers
     "tiny-2.3": Ltx2ConnectorsConfig(
         caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=2,
         video_connector_attention_head_dim=8, video_connector_num_layers=1, video_connector_num_learnable_registers=4,
-        video_gated_attn=True, audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=4,
+        video_gated_attn=True, audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8,
         audio_connector_num_layers=1, audio_connector_num_learnable_registers=None, audio_gated_attn=True,
-        rope_type="split", per_modality_projections=True, video_hidden_dim=16, audio_hidden_dim=8, proj_bias=True),
+        rope_type="split", per_modality_projections=True, video_hidden_dim=16, audio_hidden_dim=16, proj_bias=True),
     "upstream-default": Ltx2ConnectorsConfig(),
 }
 
