@@ -128,7 +128,10 @@ def run_accel_c1(family: str, spec: AccelSpec | str, *, variant: str = "tiny-2.1
     loop = WanDenoiseLoop(WanModelInstance(cfg, weights, weights_version=f"accel-c1:{variant}:{seed}"))
     sched = WorkUnitScheduler()
     with planted(fault):
-        handles = [sched.submit(loop, WanDenoiseJob(r, record_trajectory=True)) for r in [request, *others]]
+        try:
+            handles = [sched.submit(loop, WanDenoiseJob(r, record_trajectory=True)) for r in [request, *others]]
+        except Exception as e:   # RequestRejected: the request / spec cannot run here (one clear message)
+            raise ValueError(str(e)) from None
         while not sched.idle:
             sched.tick()
     if handles[0].status != "completed":

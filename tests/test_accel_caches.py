@@ -181,3 +181,27 @@ def test_sparse_attention_is_routed_through_both_sides_with_keys_counted():
     assert counts == [(d.step, d.keys_skipped) for d in alone["accel"]["decisions"]]
     assert {c for s, c in counts if s < 2} == {0} and all(c > 0 for s, c in counts if s >= 2)
     assert h1.status == "completed"
+
+
+def test_other_wan_variants_two_experts_and_per_token_timesteps():
+    """guidance_interval across an expert switch and fbcache under per-token (ti2v) timesteps agree with the
+    reference; a step cache across an expert switch is refused with one message (upstream caches per transformer)."""
+    assert first_failure(run_accel_c1("wan", "guidance_interval:start=1,end=3", variant="tiny-2.2-t2v-a14b",
+                                      num_steps=4)) is None
+    assert first_failure(run_accel_c1("wan", SPECS["fbcache"], variant="tiny-2.2-ti2v", num_steps=4)) is None
+    with pytest.raises(ValueError, match="two-expert"):
+        run_accel_c1("wan", "fbcache", variant="tiny-2.2-t2v-a14b", num_steps=4)
+
+
+def test_accel_report_is_the_cli_entry():
+    from parity.accel_checks import accel_report
+    from parity.errors import SetupError
+    clean = accel_report("wan", SPECS["fbcache"])
+    assert all(c.passed for c in clean.checks) and clean.settings["accel"] == parse_accel(SPECS["fbcache"]).label()
+    bad = accel_report("wan", SPECS["fbcache"], fault="wrong_branch")
+    first = next(c for c in bad.checks if not c.passed)
+    assert first.divergence.startswith("step ") and "branch" in first.divergence
+    for accel, fault, message in [("nope", None, "unknown acceleration"), ("fbcache", "bogus", "unknown accel fault"),
+                                  ("dbcache:fn=9", None, "exceeds")]:
+        with pytest.raises(SetupError, match=message):
+            accel_report("wan", accel, fault=fault)

@@ -207,6 +207,8 @@ class WanReferencePipeline:
         condition = self.encode_condition(request, tuple(latents.shape)) if request.image is not None else None
         caches = None
         if request.accel is not None:   # one cache per CFG branch for the whole run
+            if cfg.two_experts and request.accel.name in ("fbcache", "dbcache", "taylorseer", "magcache"):
+                raise ValueError(f"wan reference: accel {request.accel.name} on a two-expert model is not supported")
             caches = {b: BranchCache(request.accel, b, request.num_steps, cfg.dit.num_layers)
                       for b in (("cond", "uncond") if request.uses_cfg else ("cond",))}
 

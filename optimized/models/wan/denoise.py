@@ -42,6 +42,7 @@ from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_h
 LOOP_ID = "wan.denoise"
 SolverState = unipc.UniPCState | euler.EulerState
 _REQUEST_TOKENS = itertools.count()
+STEP_CACHES = ("fbcache", "dbcache", "taylorseer", "magcache")   # kinds whose state spans steps
 
 
 def is_sparse(spec: AccelSpec | None) -> bool:
@@ -187,6 +188,9 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         layers = dits[0].cfg.num_layers
         if any(d.cfg.num_layers != layers for d in dits):
             raise ValueError("wan request: accel needs both experts to have the same number of blocks")
+        if len(set(s.experts)) > 1 and spec.name in STEP_CACHES:
+            raise ValueError(f"wan request: accel {spec.name} on a two-expert run is not supported (upstream keeps "
+                             "one cache per transformer; this loop would carry one across the expert switch)")
         branches = ("cond", "uncond") if req.uses_cfg else ("cond",)
         try:
             rules = {b: BranchRule() if is_sparse(spec) else make_rule(spec, b, req.num_steps, layers)
