@@ -30,8 +30,11 @@ from reference.wan.accel import BranchCache
 from reference.wan.transformer import load_wan_transformer
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "accel"
-CASES = ("fbcache", "dbcache", "taylorseer", "magcache")
+CASES = ("fbcache", "dbcache", "taylorseer", "taylorseer_bf16", "magcache")
 REL_L2 = 1e-5   # fp32 CPU, same inputs: measured <= ~1e-6
+# bf16 Taylor factors: a ~1e-7 difference that straddles a bf16 rounding boundary flips an element by 2^-8 of itself
+# (measured 1.05e-5 on one predicted step, 0 on the others): the contract's C1 fp32 loop tolerance applies
+REL_L2_BF16_FACTORS = 1e-4
 
 
 def load(kind: str):
@@ -93,10 +96,16 @@ def check(kind: str, run) -> None:
     expected = load(kind)[4]
     got = [view(d) for d in decisions]
     assert got == meta["decisions"], next((g, e) for g, e in zip(got, meta["decisions"]) if g != e)
+    for d in decisions:   # cache-dit's own recorded diffs (dbcache): the metric each decision compared
+        upstream = meta.get("upstream_metrics", {}).get(d.branch, {}).get(str(d.step))
+        if upstream is not None:
+            assert d.metric is not None and abs(d.metric - upstream) <= 1e-5 * max(1.0, abs(upstream)), \
+                (d, upstream)
     for b in ("cond", "uncond"):
         for i in range(meta["steps"]):
             err = rel_l2(outs[b][i], expected[b][i])
-            assert err <= REL_L2, f"{kind} {b} step {i}: rel L2 {err:.3g}"
+            tol = REL_L2_BF16_FACTORS if "factors_dtype=bfloat16" in meta["accel"] else REL_L2
+            assert err <= tol, f"{kind} {b} step {i}: rel L2 {err:.3g}"
 
 
 @pytest.mark.parametrize("kind", CASES)

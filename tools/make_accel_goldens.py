@@ -43,6 +43,7 @@ CASES = {
     "fbcache": "fbcache:threshold={t}",
     "dbcache": "dbcache:fn=1,bn=1,threshold={t},warmup=2,max_continuous=2",
     "taylorseer": "taylorseer:before=2,interval=3,order=2,factors_dtype=float32",
+    "taylorseer_bf16": "taylorseer:before=3,interval=2",   # upstream's default bf16 factors, order 1
     "magcache": f"magcache:ratios={MAG_RATIOS},threshold=0.06,max_skip=2,retention=0.2",
 }
 
@@ -183,11 +184,12 @@ def apply_cache(model, kind: str, spec) -> None:
         raise ValueError(kind)
 
 
-def make_case(kind: str, out: Path) -> dict:
+def make_case(name: str, out: Path) -> dict:
     from manifests.accel import parse_accel
     import diffusers
     data = inputs()
-    template = CASES[kind]
+    template = CASES[name]
+    kind = template.split(":")[0]
     margin = None
     if "{t}" in template:
         threshold, margin = mid_gap(calibrate(data, 1), 0.5)
@@ -211,9 +213,12 @@ def make_case(kind: str, out: Path) -> dict:
             "guidance": GUIDANCE, "upstream": spec.kind.upstream, "diffusers": diffusers.__version__,
             "threshold_margin": margin, "decisions": decisions,
             "made_by": "tools/make_accel_goldens.py"}
-    if kind == "dbcache":
+    if kind == "dbcache":   # cache-dit records the diff it compared per step and branch: the decisions' metric
         import cache_dit
         meta["cache_dit"] = cache_dit.__version__
+        stats = cache_dit.summary(model, logging=False)[0]
+        meta["upstream_metrics"] = {"cond": {int(k): float(v) for k, v in stats.residual_diffs.items()},
+                                    "uncond": {int(k): float(v) for k, v in stats.cfg_residual_diffs.items()}}
     (out / "accel.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
