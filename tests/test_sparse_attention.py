@@ -260,3 +260,22 @@ def test_compiled_flex_matches_reference():
     want, want_removed = ref.sparse_self_attention(q, k, v, grid, spec)
     assert removed == want_removed
     torch.testing.assert_close(got.flatten(2, 3), want, rtol=0, atol=2e-6)
+
+
+def test_dense_calls_use_the_callers_kernel():
+    # the engine passes its exact-path kernel so that dense steps / blocks are bitwise the exact path
+    grid, knobs = CASES[0]
+    q, k, v = _qkv(grid, batch=2)
+    calls = []
+
+    def kernel(qh, kh, vh):          # [B, H, S, d]
+        calls.append(qh.shape[0])
+        return F.scaled_dot_product_attention(qh, kh, vh) + 1.0   # marked, so its use shows in the output
+
+    spec = _sta(**knobs, start_step=1)
+    out, removed = opt.sparse_self_attention(q, k, v, grid, spec, step=0, dense_attention=kernel)
+    assert calls == [2] and removed == 0 and torch.equal(out, _dense(q, k, v) + 1.0)
+    out, _ = opt.sparse_self_attention(q, k, v, grid, spec, step=[0, 1], dense_attention=kernel)
+    assert calls == [2, 1]
+    torch.testing.assert_close(out[:1], _dense(q[:1], k[:1], v[:1]) + 1.0, rtol=0, atol=1e-6)
+    assert (out[1:] - _dense(q[1:], k[1:], v[1:]) - 1.0).abs().max() > 0.5   # the sparse row did not use it

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -178,13 +178,16 @@ def _flex(q, k, v, grid, params: StaParams, compile_flex: bool | None) -> torch.
 
 def sparse_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int, int],
                           spec: AccelSpec, *, step: int | Sequence[int] | None = None, block: int | None = None,
-                          compile_flex: bool | None = None) -> tuple[torch.Tensor, int]:
+                          compile_flex: bool | None = None,
+                          dense_attention: Callable[..., torch.Tensor] = attend) -> tuple[torch.Tensor, int]:
     """q, k, v [B, S, heads, head_dim] (WanDiTFast's layout) -> (out [B, S, heads, head_dim], the (query, key)
     pairs the mask removed, summed over batch rows and heads). Dense SDPA (0 removed) where the spec's step / block
     ranges exclude this call, and where the window covers the whole grid (bitwise the dense path then).
 
     `step`: one int for the whole batch, or one per batch row (a batched step may hold requests at different
-    denoising steps): rows outside [start_step, end_step) run dense, the others sparse, in one call each."""
+    denoising steps): rows outside [start_step, end_step) run dense, the others sparse, in one call each.
+    `dense_attention(q, k, v)` on [B, heads, S, head_dim]: the caller's exact-path kernel (its configured SDPA
+    backend), so dense calls are bitwise what the exact path computes; default optimized.attention.attend."""
     params = StaParams.from_spec(spec)
     grid = check_grid(grid)
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape:
@@ -201,22 +204,23 @@ def sparse_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gri
         if 0 < len(sparse_rows) < B:
             out = torch.empty_like(q)
             dense_rows = [r for r in range(B) if r not in sparse_rows]
-            out[dense_rows] = attend(*(x[dense_rows].transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
-            sparse_out, removed = _sparse(q[sparse_rows], k[sparse_rows], v[sparse_rows], grid, params, compile_flex)
+            out[dense_rows] = dense_attention(*(x[dense_rows].transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+            sparse_out, removed = _sparse(q[sparse_rows], k[sparse_rows], v[sparse_rows], grid, params, compile_flex,
+                                          dense_attention)
             out[sparse_rows] = sparse_out
             return out, removed
         step = steps[0] if steps else None   # every row decides alike: one call
     if not applies(params, step, block):
-        return attend(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2), 0
-    return _sparse(q, k, v, grid, params, compile_flex)
+        return dense_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2), 0
+    return _sparse(q, k, v, grid, params, compile_flex, dense_attention)
 
 
-def _sparse(q, k, v, grid, params: StaParams, compile_flex: bool | None) -> tuple[torch.Tensor, int]:
+def _sparse(q, k, v, grid, params: StaParams, compile_flex: bool | None, dense_attention) -> tuple[torch.Tensor, int]:
     B, S, heads = q.shape[:3]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     removed_per_head = S * S - _kept_pairs(grid, params.tile, params.window, "drop_diagonal" in FAULTS)
     if removed_per_head == 0:       # nothing to skip: the dense kernel, bitwise the exact path
-        return attend(qt, kt, vt).transpose(1, 2), 0
+        return dense_attention(qt, kt, vt).transpose(1, 2), 0
     if params.backend == "flex":
         out = _flex(qt, kt, vt, grid, params, compile_flex)
     else:
