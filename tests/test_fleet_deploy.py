@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from optimized.fleet.deployment import (DeploymentError, DeploymentSpec, ROLES, load_deployment,
-                                        parse_deployment)
+from optimized.fleet.deployment import ROLES, DeploymentError, DeploymentSpec, load_deployment, parse_deployment
 
 EXAMPLE = "examples/fleet/deployment.yaml"
 

@@ -17,7 +17,7 @@ pytest.importorskip("ray")
 pytest.importorskip("yaml")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

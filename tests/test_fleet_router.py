@@ -7,8 +7,7 @@ import pytest
 
 from optimized.fleet.deployment import RoutingSpec
 from optimized.fleet.router import (FleetRequestFailed, HealthReport, ReplicaDied, RequestCancelled, RequestLedger,
-                                    Router, StageCall, StageCostModel, StageError, StageOutput, StagePlan,
-                                    StageRecord)
+                                    Router, StageCall, StageCostModel, StageError, StageOutput, StagePlan, StageRecord)
 
 
 class FakeReplica:

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from optimized.fleet.deployment import parse_deployment  # noqa: E402
-from optimized.fleet.router import ReplicaDied, StagePlan  # noqa: E402
+from optimized.fleet.deployment import parse_deployment
+from optimized.fleet.router import ReplicaDied, StagePlan
 
 BODY = {"prompt": "a red fox", "size": "32x32", "frames": 5, "steps": 3, "guidance": 4.0, "seed": 7}
 
@@ -46,15 +46,23 @@ def contents(client, vid):
             for v in ("video", "thumbnail")}
 
 
+SEEDS = (21, 22, 23)
+
+
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
+def colocated_app(tmp_path_factory):
     from optimized.serving.loading import load_engine
     from optimized.serving.server import create_app
     app = create_app(load_engine("wan", None, "tiny-2.1-t2v"), output_dir=tmp_path_factory.mktemp("co"))
     with TestClient(app) as client:
-        done = make(client)
-        assert done["status"] == "completed", done
-        yield contents(client, done["id"])
+        yield client
+
+
+@pytest.fixture(scope="module")
+def colocated(colocated_app):
+    done = make(colocated_app)
+    assert done["status"] == "completed", done
+    return contents(colocated_app, done["id"])
 
 
 class Killable:
@@ -62,12 +70,13 @@ class Killable:
 
     def __init__(self, replica):
         self.replica, self.replica_id, self.role = replica, replica.replica_id, replica.role
-        self.dead, self.calls = False, 0
+        self.dead, self.calls, self.delay_s = False, 0, 0.0
 
     def run_stage(self, call):
         self.calls += 1
         if self.dead:
             raise ReplicaDied(self.replica_id, "process exited (planted)")
+        time.sleep(self.delay_s)                     # a slower stage: still running when the next one is placed
         return self.replica.run_stage(call)
 
     def health(self, timeout_s):
@@ -99,6 +108,35 @@ def test_fleet_video_is_bitwise_the_colocated_one(fleet, colocated):
     assert card["family"] == "wan"
     status = client.get("/v1/fleet").json()
     assert status["status"] == "ok" and status["roles"]["decoder"][0]["completed"] >= 1
+
+
+def test_concurrent_requests_spread_over_the_denoisers_each_bitwise_the_colocated(fleet, colocated_app):
+    from concurrent.futures import ThreadPoolExecutor
+    client, gw = fleet
+    want = {}
+    for seed in SEEDS:   # one at a time on the co-located server: each runs solo, as on a replica
+        done = make(colocated_app, {**BODY, "seed": seed})
+        want[seed] = contents(colocated_app, done["id"])
+    used, real = set(), gw.router.on_event
+
+    def record(kind, rid, data):
+        if kind == "stage.completed" and data["role"] == "denoiser":
+            used.add(data["replica"])
+        real(kind, rid, data)
+    gw.router.on_event = record
+    for st in gw.router.states["denoiser"].values():
+        st.replica.delay_s = 1.0
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            got = dict(zip(SEEDS, pool.map(lambda seed: make(client, {**BODY, "seed": seed}), SEEDS)))
+    finally:
+        gw.router.on_event = real
+        for st in gw.router.states["denoiser"].values():
+            st.replica.delay_s = 0.0
+    for seed, done in got.items():
+        assert done["status"] == "completed", done
+        assert contents(client, done["id"]) == want[seed], seed
+    assert used == {"denoiser-0", "denoiser-1"}
 
 
 def test_a_prompt_goes_to_the_denoiser_holding_its_text_embedding(fleet, colocated):

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 ROLES = ("encoder", "denoiser", "decoder")          # the program's stage boundaries, in order
 TRANSPORTS = ("inprocess", "shared_memory", "torch_dist", "ray_object_store")
@@ -289,5 +290,18 @@ def load_deployment(path: str | Path) -> DeploymentSpec:
     return parse_deployment(raw, source=str(p))
 
 
-__all__ = ["BACKENDS", "DeploymentError", "DeploymentSpec", "ModelSource", "PlacementSpec", "ROLES", "RolePoolSpec",
-           "RoutingSpec", "SLOSpec", "STRATEGIES", "TRANSPORTS", "load_deployment", "parse_deployment"]
+__all__ = [
+    "BACKENDS",
+    "ROLES",
+    "STRATEGIES",
+    "TRANSPORTS",
+    "DeploymentError",
+    "DeploymentSpec",
+    "ModelSource",
+    "PlacementSpec",
+    "RolePoolSpec",
+    "RoutingSpec",
+    "SLOSpec",
+    "load_deployment",
+    "parse_deployment",
+]

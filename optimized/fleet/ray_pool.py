@@ -25,8 +25,9 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from optimized.fleet.deployment import ROLES, DeploymentSpec
 from optimized.fleet.router import HealthReport, ReplicaDied, StageCall, StageOutput
@@ -143,7 +144,7 @@ class RayRolePools:
 
     @classmethod
     def start(cls, spec: DeploymentSpec, worker_factory: Callable[[str], Any],
-              ready_timeout_s: float = 600.0) -> "RayRolePools":
+              ready_timeout_s: float = 600.0) -> RayRolePools:
         ray = _ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from optimized.fleet.deployment import ROLES, RoutingSpec
 
@@ -103,17 +104,23 @@ class StageCostModel:
     from a resident cache entry), an exponential moving average of the calls' measured seconds / units, starting
     from `prior_s_per_unit` (the card's analytic prior). The router's and the DeploymentCard's one currency."""
 
-    def __init__(self, prior_s_per_unit: dict[str, float] | None = None, hit_fraction: float = 0.05,
+    def __init__(self, prior_s_per_unit: dict[str, float] | None = None, hit_fraction: dict[str, float] | None = None,
                  smoothing: float = 0.5):
         self.per_unit: dict[tuple[str, bool], float] = {
             (role, False): float(s) for role, s in (prior_s_per_unit or {r: 1.0 for r in ROLES}).items()}
-        self.hit_fraction, self.smoothing = hit_fraction, smoothing
+        # a hit not yet measured: the encoder's skips the whole stage; a denoiser's only its text encoding (no
+        # discount until measured)
+        self.hit_fraction = {"encoder": 0.05, **(hit_fraction or {})}
+        self.smoothing = smoothing
         self.observed: dict[tuple[str, bool], int] = {}
 
     def rate(self, role: str, hit: bool = False) -> float:
-        """Seconds per unit; a hit not yet measured costs hit_fraction of a miss (measured or prior)."""
+        """Seconds per unit. A hit never costs more than a miss (it does strictly less work: a slower measured hit
+        is noise); one not yet measured costs hit_fraction of a miss."""
         miss = self.per_unit.get((role, False), 1.0)
-        return self.per_unit.get((role, True), miss * self.hit_fraction) if hit else miss
+        if not hit:
+            return miss
+        return min(miss, self.per_unit.get((role, True), miss * self.hit_fraction.get(role, 1.0)))
 
     def predict(self, role: str, units: float, hit: bool = False) -> float:
         return self.rate(role, hit) * max(units, 0.0)
@@ -218,13 +225,15 @@ class Router:
         self.ledgers: dict[str, RequestLedger] = {}
 
     # ---- placement
+    def _holds(self, st: _ReplicaState, plan: StagePlan) -> bool:
+        return bool(self.routing.affinity and plan.cache_key is not None and plan.cache_key in st.resident)
+
     def _predicted(self, role: str, st: _ReplicaState, plan: StagePlan) -> float:
-        hit = bool(self.routing.affinity and plan.cache_key is not None and plan.cache_key in st.resident)
-        return st.backlog_s + self.cost.predict(role, plan.units, hit)
+        return st.backlog_s + self.cost.predict(role, plan.units, self._holds(st, plan))
 
     def place(self, plan: StagePlan, exclude: Sequence[str] = ()) -> _ReplicaState | None:
         """The live replica of `plan.role` with the earliest predicted finish (replicas under their max_inflight
-        first; ties go to the lower id), or None when none is left."""
+        first; ties go to the one holding the stage's cache key, then to the lower id), or None when none is left."""
         with self.lock:
             live = [st for rid, st in sorted(self.states[plan.role].items())
                     if st.healthy and not st.dead and rid not in exclude]
@@ -232,7 +241,7 @@ class Router:
                 return None
             cap = self.max_inflight.get(plan.role)
             free = [st for st in live if cap is None or st.inflight < cap] or live
-            return min(free, key=lambda st: self._predicted(plan.role, st, plan))
+            return min(free, key=lambda st: (self._predicted(plan.role, st, plan), not self._holds(st, plan)))
 
     def _emit(self, kind: str, request_id: str, **data: Any) -> None:
         if self.on_event is not None:
@@ -269,7 +278,7 @@ class Router:
                 self._emit("stage.failover", ledger.request_id, role=plan.role, replica=rid, attempt=attempt,
                            error=str(e))
                 continue
-            except Exception as e:  # noqa: BLE001 - the stage's own error: the request fails here
+            except Exception as e:
                 raise StageError(f"{ledger.request_id}: {plan.role} on {rid} raised {type(e).__name__}: {e}") \
                     from e
             finally:

@@ -32,11 +32,12 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from optimized.fleet.deployment import ROLES, DeploymentError, DeploymentSpec, ModelSource, load_deployment
 from optimized.fleet.router import (FleetRequestFailed, RequestCancelled, Router, StageCall, StageCostModel,
@@ -218,7 +219,7 @@ class FleetProgram:
     """A video request served by the fleet: VideoProgram's interface (status, stage, request, image, value,
     subscribe, start, cancel, fail; request.* / progress events), run by the router on its own thread."""
 
-    def __init__(self, gateway: "FleetGateway", request: Any, *, program_id: str, image: Any = None):
+    def __init__(self, gateway: FleetGateway, request: Any, *, program_id: str, image: Any = None):
         self.gateway, self.engine, self.request, self.image = gateway, gateway.front, request, image
         self.id = program_id
         self.status, self.stage, self.error = "waiting", None, None
@@ -251,7 +252,7 @@ class FleetProgram:
     def stage_names(self) -> list[str]:
         return [STAGE_OF_ROLE[r] for r in ROLES]
 
-    def start(self) -> "FleetProgram":
+    def start(self) -> FleetProgram:
         from optimized.programs import VIDEO_PHASES
         self.engine.admit(self.request, VIDEO_PHASES)   # the co-located engine's admission, before any stage
         self.gateway.programs[self.id] = self
@@ -273,8 +274,8 @@ class FleetProgram:
         t0 = time.perf_counter()
         plans = stage_plans(self.request, self.image, getattr(self.engine.model, "weights_version", None))
         try:
-            video, ledger = self.gateway.router.run(self.id, EncoderInput(self.request, self.image), plans,
-                                                    finish=self._result, cancelled=lambda: self._cancel)
+            self.gateway.router.run(self.id, EncoderInput(self.request, self.image), plans, finish=self._result,
+                                    cancelled=lambda: self._cancel)   # the artifact: self.value (committed once)
         except RequestCancelled:
             return self._end("cancelled")
         except (FleetRequestFailed, StageError) as e:
@@ -335,7 +336,7 @@ class FleetGateway:
 
     @classmethod
     def start(cls, spec: DeploymentSpec, front: Any | None = None,
-              worker_factory: Callable[[str], Any] | None = None) -> "FleetGateway":
+              worker_factory: Callable[[str], Any] | None = None) -> FleetGateway:
         wired = {"ray": "ray_object_store", "local": "inprocess"}[spec.placement.backend]
         if spec.transport != wired:   # shared_memory / torch_dist move fleetcore's TransferManifests, not wired here
             raise DeploymentError("transport", f"{spec.transport!r} is not wired to placement.backend "
