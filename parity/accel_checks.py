@@ -20,6 +20,7 @@ import torch
 from manifests.accel import AccelSpec, parse_accel
 
 FAULTS = ("never_refresh", "wrong_branch")
+METRIC_TOL = 1e-4   # the compared quantity (residual diff, accumulated error) of both sides, relative
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,12 @@ def compare(engine_decisions, engine_trajectory, ref_decisions, ref_trajectory, 
         e = engine_decisions[i] if i < len(engine_decisions) else None
         r = ref_decisions[i] if i < len(ref_decisions) else None
         ok = e is not None and r is not None and _decision_view(e) == _decision_view(r)
-        step = (e or r).step
-        rows.append(AccelC1Row(step, "decision", ok, f"engine {e and _decision_view(e)} vs reference "
-                               f"{r and _decision_view(r)}" if not ok else "same", branch=(r or e).branch))
+        detail = "same" if ok else f"engine {e and _decision_view(e)} vs reference {r and _decision_view(r)}"
+        if ok and (e.metric is None) != (r.metric is None):
+            ok, detail = False, f"metric: engine {e.metric} vs reference {r.metric}"
+        elif ok and e.metric is not None and abs(e.metric - r.metric) > METRIC_TOL * max(1.0, abs(r.metric)):
+            ok, detail = False, f"metric: engine {e.metric:.6g} vs reference {r.metric:.6g}"
+        rows.append(AccelC1Row((e or r).step, "decision", ok, detail, branch=(r or e).branch))
     for step, (x_e, x_r) in enumerate(zip(engine_trajectory, ref_trajectory)):
         err = _rel_l2(x_e, x_r)
         rows.append(AccelC1Row(step, "latents", err <= tol, f"rel L2 {err:.3g} (tolerance {tol:g})", rel_l2=err))
