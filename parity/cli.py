@@ -143,10 +143,14 @@ def qualified_variants(fam, variants) -> list[str]:
               help="A parallel plan, e.g. ulysses2, ring2, cfgp2 or cfgp2,ulysses2: its ranks are spawned on CPU "
                    "(gloo) and every rank is compared with the reference (levels that take it only, e.g. wan C1); "
                    "a plan the model cannot run is refused (exit 2).")
+@click.option("--accel", default=None, metavar="NAME[:knob=value,...]",
+              help="C1 under an acceleration (wan): the engine and the reference loop run the same request under it; "
+                   "decisions (step, CFG branch, block range) then latents are compared step by step. With "
+                   "--plant-fault never_refresh | wrong_branch the engine's residual store is faulted.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the full report (every metric) as JSON to this path.")
 def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, cases, graph, plan,
-            json_path) -> None:
+            accel, json_path) -> None:
     """Run parity level LEVEL for FAMILY and print a table of checks.
 
     Exit code 0 when every check passes, 1 when any fails, 2 on a usage/setup error (unknown --device,
@@ -157,6 +161,13 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
         check_json_path(json_path)
         fam = get_family(family)
         variants = qualified_variants(fam, variants)
+        if accel is not None:
+            if level != "C1":
+                raise SetupError(f"--accel runs C1 only (got --level {level}); `fvparity certify` measures quality")
+            from parity.accel_checks import accel_report
+            _emit(accel_report(family, accel, seed=seed, fault=fault, variant=variants[0] if variants else None),
+                  json_path)
+            return
         if level not in fam.levels:
             raise SetupError(f"level {level} is not implemented for {family} yet "
                              f"(implemented: {', '.join(fam.levels) or 'none'})")
