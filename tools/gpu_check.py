@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 
-def steps(device: str, quick: bool, wheels: Path | None = None) -> list[tuple[str, list[str], int]]:
+def steps(device: str, quick: bool, wheels: Path | None = None,
+          out: Path = Path("gpu_check_out")) -> list[tuple[str, list[str], int]]:
     """(name, command, time limit in s), in the order they run: what the open issue needs from a GPU first."""
     py = sys.executable
     fv = [py, "-m", "parity.cli"]
@@ -63,6 +64,10 @@ def steps(device: str, quick: bool, wheels: Path | None = None) -> list[tuple[st
          if device != "cpu" else [py, "tools/bench_vs_diffusers.py", "--graph", "eager", "--hidden", "128",
                                   "--layers", "2", "--height", "64", "--width", "64", "--steps", "2", "--repeats",
                                   "1", "--concurrent", "2", "--vae-frames", "2", "--vae-hw", "8", "8"], 1500),
+        # issue 21 (unmeasured so far): sparse attention kernel speed, FlexAttention sta vs dense SDPA at Wan2.1
+        # 1.3B 480p, the flex output checked against the dense boolean mask (exit 1 on mismatch)
+        ("sparse_kernel", [py, "tools/gpu_sparse_check.py", "--device", device, "--out", str(out / "sparse")]
+         + (["--quick"] if quick else []), 600),
         ("mfu", [py, "tools/gpu_check.py", "--mfu", "--device", device] + (["--quick"] if quick else []), 900),
         ("c1_graph_compile", fv + ["run", "cosmos3", "--level", "C1", "--device", device, "--dtype", "fp32",
                                    "--graph", "compile"], 900),
@@ -183,7 +188,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         mfu(args.device, args.quick)
         return
-    wanted = [st for st in steps(args.device, args.quick, args.wheels) if not args.only or st[0] in args.only]
+    wanted = [st for st in steps(args.device, args.quick, args.wheels, args.out) if not args.only or st[0] in args.only]
     unknown = set(args.only or ()) - {st[0] for st in steps(args.device, args.quick)}
     if unknown:
         print(f"gpu_check: unknown step(s) {', '.join(sorted(unknown))}; the steps are "
