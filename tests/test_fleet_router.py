@@ -282,6 +282,14 @@ def test_a_replica_at_max_inflight_is_passed_over_while_another_is_free():
     router.max_inflight = {"denoiser": 1}
     d0, d1 = router.states["denoiser"]["denoiser-0"], router.states["denoiser"]["denoiser-1"]
     d0.inflight, d0.backlog_s, d1.backlog_s = 1, 0.0, 50.0      # d0 predicts earlier but is full
-    assert router.place(StagePlan("denoiser", 4)).replica.replica_id == "denoiser-1"
+    assert router.place(StagePlan("denoiser", 4))[0].replica.replica_id == "denoiser-1"
     d1.inflight = 1                                             # both full: the earliest predicted finish
-    assert router.place(StagePlan("denoiser", 4)).replica.replica_id == "denoiser-0"
+    assert router.place(StagePlan("denoiser", 4))[0].replica.replica_id == "denoiser-0"
+
+
+def test_placement_and_its_reservation_are_one_step():
+    router, _, _ = fleet()
+    first, seconds = router.place(StagePlan("denoiser", 10), reserve=True)
+    second, _ = router.place(StagePlan("denoiser", 10), reserve=True)
+    assert {first.replica.replica_id, second.replica.replica_id} == {"denoiser-0", "denoiser-1"}
+    assert first.backlog_s == seconds == router.cost.predict("denoiser", 10) and first.inflight == 1

@@ -213,7 +213,7 @@ def test_negative_control_a_dtype_cast_in_transit_changes_the_video(fleet, coloc
 def test_denoiser_dying_mid_request_fails_over_and_writes_once(fleet, colocated, tmp_path):
     client, gw = fleet
     reps = {rid: st.replica for rid, st in gw.router.states["denoiser"].items()}
-    first = gw.router.place(StagePlan("denoiser", 1.0)).replica.replica_id
+    first = gw.router.place(StagePlan("denoiser", 1.0))[0].replica.replica_id
     reps[first].dead = True                                    # the router's pick dies when it is called
     r = client.post("/v1/videos", json=BODY)
     vid = r.json()["id"]

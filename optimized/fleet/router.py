@@ -231,17 +231,25 @@ class Router:
     def _predicted(self, role: str, st: _ReplicaState, plan: StagePlan) -> float:
         return st.backlog_s + self.cost.predict(role, plan.units, self._holds(st, plan))
 
-    def place(self, plan: StagePlan, exclude: Sequence[str] = ()) -> _ReplicaState | None:
+    def place(self, plan: StagePlan, exclude: Sequence[str] = (), reserve: bool = False
+              ) -> tuple[_ReplicaState, float] | tuple[None, float]:
         """The live replica of `plan.role` with the earliest predicted finish (replicas under their max_inflight
-        first; ties go to the one holding the stage's cache key, then to the lower id), or None when none is left."""
+        first; ties go to the one holding the stage's cache key, then to the lower id) and the stage's predicted
+        seconds there; (None, 0) when none is left. `reserve`: the choice and its backlog are taken under one lock
+        (two requests placed at once never both see the same replica idle)."""
         with self.lock:
             live = [st for rid, st in sorted(self.states[plan.role].items())
                     if st.healthy and not st.dead and rid not in exclude]
             if not live:
-                return None
+                return None, 0.0
             cap = self.max_inflight.get(plan.role)
             free = [st for st in live if cap is None or st.inflight < cap] or live
-            return min(free, key=lambda st: (self._predicted(plan.role, st, plan), not self._holds(st, plan)))
+            st = min(free, key=lambda st: (self._predicted(plan.role, st, plan), not self._holds(st, plan)))
+            seconds = self.cost.predict(plan.role, plan.units, self._holds(st, plan))
+            if reserve:
+                st.backlog_s += seconds
+                st.inflight += 1
+            return st, seconds
 
     def _emit(self, kind: str, request_id: str, **data: Any) -> None:
         if self.on_event is not None:
@@ -259,15 +267,11 @@ class Router:
         for attempt in range(1, self.routing.max_attempts + 1):
             if cancelled():
                 raise RequestCancelled(f"{ledger.request_id}: cancelled before {plan.role}")
-            st = self.place(plan, exclude=tried)
+            st, predicted = self.place(plan, exclude=tried, reserve=True)
             if st is None:
                 break
             rid = st.replica.replica_id
             tried.append(rid)
-            predicted = self._predicted(plan.role, st, plan) - st.backlog_s
-            with self.lock:
-                st.backlog_s += predicted
-                st.inflight += 1
             self._emit("stage.started", ledger.request_id, role=plan.role, replica=rid, attempt=attempt)
             call = StageCall(ledger.request_id, plan.role, attempt, payload, plan.cache_key, plan.units)
             try:
@@ -297,7 +301,7 @@ class Router:
             return out.payload
         done = ", ".join(ledger.completed) or "none"
         why = "; ".join(ledger.failures) or "no replica was healthy"
-        left = "no healthy replica left" if self.place(plan, exclude=tried) is None else \
+        left = "no healthy replica left" if self.place(plan, exclude=tried)[0] is None else \
             f"gave up after {self.routing.max_attempts} tries"
         raise FleetRequestFailed(f"request {ledger.request_id}: stage {plan.role} could not complete ({left}: "
                                  f"{why}); completed stages: {done}")
