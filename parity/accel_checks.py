@@ -11,9 +11,9 @@ of every slot), "wrong_branch" (a branch reads the other branch's residuals). Ea
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -118,7 +118,7 @@ def run_accel_c1(family: str, spec: AccelSpec | str, *, variant: str = "tiny-2.1
     from manifests.wan import load_model_variant
     from optimized.models.wan.denoise import WanDenoiseJob, WanDenoiseLoop
     from optimized.models.wan.instance import WanModelInstance
-    from optimized.runtime.scheduler import WorkUnitScheduler
+    from optimized.runtime.scheduler import RequestRejected, WorkUnitScheduler
     from parity.families.wan.common import contract_tolerance
     from reference.wan.pipeline import WanReferencePipeline
 
@@ -134,7 +134,7 @@ def run_accel_c1(family: str, spec: AccelSpec | str, *, variant: str = "tiny-2.1
     with planted(fault):
         try:
             handles = [sched.submit(loop, WanDenoiseJob(r, record_trajectory=True)) for r in [request, *others]]
-        except Exception as e:   # RequestRejected: the request / spec cannot run here (one clear message)
+        except RequestRejected as e:   # the request / spec cannot run here (one clear message)
             raise ValueError(str(e)) from None
         while not sched.idle:
             sched.tick()

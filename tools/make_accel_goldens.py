@@ -21,6 +21,7 @@ inputs to both sides (teacher forcing) and need no diffusers.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from make_wan_goldens import randomize_weights  # noqa: E402
+from make_wan_goldens import randomize_weights
 
 VARIANT, NUM_LAYERS, SEED = "tiny-2.1-t2v", 4, 2101
 STEPS, GUIDANCE, TEXT_LEN = 12, 4.0, 8
@@ -50,6 +51,7 @@ CASES = {
 
 def dit_config():
     from dataclasses import replace
+
     from manifests.wan import load_model_variant
     return replace(load_model_variant(VARIANT).dit, num_layers=NUM_LAYERS)
 
@@ -142,7 +144,7 @@ def calibrate(data, fn: int) -> list[float]:
                                   return_dict=False)[0])
         x = x + (ts[i + 1] - ts[i]) / 1000.0 * (outs[1] + GUIDANCE * (outs[0] - outs[1]))
     for b in captured.values():
-        diffs += [float((c - p).abs().mean() / p.abs().mean()) for p, c in zip(b, b[1:])]
+        diffs += [float((c - p).abs().mean() / p.abs().mean()) for p, c in itertools.pairwise(b)]
     return sorted(diffs)
 
 
@@ -185,8 +187,9 @@ def apply_cache(model, kind: str, spec) -> None:
 
 
 def make_case(name: str, out: Path) -> dict:
-    from manifests.accel import parse_accel
     import diffusers
+
+    from manifests.accel import parse_accel
     data = inputs()
     template = CASES[name]
     kind = template.split(":")[0]

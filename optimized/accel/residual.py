@@ -62,7 +62,7 @@ class ResidualCache:
         return self.store.evict_where(lambda k: ("request", owner.request) in k.input_hashes)
 
     def entries(self, owner: ResidualOwner) -> list[CacheKey]:
-        return [k for k in self.store.keys() if ("request", owner.request) in k.input_hashes]
+        return [k for k in self.store.keys() if ("request", owner.request) in k.input_hashes]  # noqa: SIM118
 
 
 def detach(t: torch.Tensor) -> torch.Tensor:

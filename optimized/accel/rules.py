@@ -57,7 +57,8 @@ class FirstBlockRule(BranchRule):
     def plan(self, step: int) -> StepPlan:
         return StepPlan("decide", decide_at=1)
 
-    def decide(self, step: int, head_residual: torch.Tensor, previous: torch.Tensor | None) -> tuple[bool, float | None]:
+    def decide(self, step: int, head_residual: torch.Tensor,
+               previous: torch.Tensor | None) -> tuple[bool, float | None]:
         """(reuse?, metric)."""
         if previous is None:
             return False, None
@@ -149,7 +150,8 @@ class TaylorSeerRule(BranchRule):
             raise ValueError("taylorseer: cannot predict before a full step (upstream raises the same)")
         return StepPlan("predict")
 
-    def update(self, step: int, output: torch.Tensor, previous: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    def update(self, step: int, output: torch.Tensor,
+               previous: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
         """New factors from this step's output (TaylorSeerState.update)."""
         new = {0: output}
         if self.last_update is not None and previous is not None:

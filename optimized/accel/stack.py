@@ -11,14 +11,21 @@ names a family.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from manifests.accel import AccelDecision
 from optimized.accel.residual import ResidualCache, ResidualOwner, detach
-from optimized.accel.rules import BranchRule, DualBlockRule, MagCacheRule, StepPlan, TaylorSeerRule
+from optimized.accel.rules import (
+    BranchRule,
+    DualBlockRule,
+    MagCacheRule,
+    StepPlan,
+    TaylorSeerRule,
+)
 
 
 class CachedStack(Protocol):

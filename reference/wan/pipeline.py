@@ -174,7 +174,8 @@ class WanReferencePipeline:
         model = self.transformer if expert == 1 else self.transformer_2
         x, timestep = self.model_inputs(latents, t, condition)
         if caches is not None:
-            velocity, decision = caches["cond"].forward(model, step, x, timestep, text, image_embeds, sparse_attention())
+            velocity, decision = caches["cond"].forward(model, step, x, timestep, text, image_embeds,
+                                                        sparse_attention())
             decisions.append(decision)
             if request.uses_cfg:
                 uncond, decision = caches["uncond"].forward(model, step, x, timestep, negative_text, image_embeds,
