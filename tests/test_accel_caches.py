@@ -225,3 +225,15 @@ def test_an_evicted_residual_makes_the_rule_compute():
     _, (exact,) = run([default_request(cfg, None, 4, seed=1)])
     rel = (h.result["latents"]["vision"] - exact["latents"]["vision"]).norm() / exact["latents"]["vision"].norm()
     assert rel < 1e-5
+
+
+def test_what_the_cached_step_cannot_run_is_refused():
+    from optimized.training.records import CaptureSpec
+    cfg, weights = tiny()
+    loop = WanDenoiseLoop(WanModelInstance(cfg, weights, weights_version="accel-test"))
+    req = default_request(cfg, parse_accel("fbcache"), 4)
+    with pytest.raises(ValueError, match="batch-invariant"):
+        loop.init_state(WanDenoiseJob(req, capture=CaptureSpec(batch_invariant=True)))
+    assert loop.init_state(WanDenoiseJob(req, capture=CaptureSpec())).accel is not None
+    with pytest.raises(ValueError, match="batched CFG policy"):
+        WanDenoiseLoop(WanModelInstance(cfg, weights, weights_version="accel-test"), "two-forward").init_state(req)

@@ -180,6 +180,9 @@ class WanDenoiseLoop(LoopKernel[WanDenoiseState]):
         """The request's rules per branch; refusals (one clear message) for what the accelerated step cannot run."""
         if req.lora:
             raise ValueError("wan request: accel with per-request LoRA is not supported (merge the adapter)")
+        if s.job.capture is not None and s.job.capture.batch_invariant:
+            raise ValueError("wan request: accel with a batch-invariant capture is not supported (the cached step "
+                             "batches its rows)")
         if self.layout() is not None or self.cfg_policy.name != "batched":
             raise ValueError("wan request: accel runs on a single device with the batched CFG policy "
                              f"(this loop: policy {self.cfg_policy.name}, plan {self.layout()})")
