@@ -19,21 +19,21 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from manifests.ltx2 import load_variant  # noqa: E402
-from manifests.ltx2.connectors import load_connectors_variant  # noqa: E402
-from manifests.ltx2.sampling import Ltx2SchedulerConfig  # noqa: E402
+from manifests.ltx2 import load_variant
+from manifests.ltx2.connectors import load_connectors_variant
+from manifests.ltx2.sampling import Ltx2SchedulerConfig
 
 # (case, transformer variant, connectors variant, call arguments)
 CASES = (
-    ("tiny_t2v", "tiny", "tiny", dict(height=64, width=96, num_frames=9, frame_rate=24.0, num_inference_steps=3,
-                                      guidance_scale=3.0, audio_guidance_scale=7.0, guidance_rescale=0.7,
-                                      audio_guidance_rescale=0.7, seed=7)),
-    ("tiny_t2v_nocfg", "tiny", "tiny", dict(height=32, width=64, num_frames=17, frame_rate=25.0,
-                                            num_inference_steps=2, guidance_scale=1.0, audio_guidance_scale=1.0,
-                                            guidance_rescale=0.0, audio_guidance_rescale=0.0, seed=3)),
-    ("tiny23_t2v", "tiny-2.3", "tiny-2.3", dict(height=64, width=64, num_frames=9, frame_rate=24.0,
-                                                num_inference_steps=2, guidance_scale=4.0, audio_guidance_scale=None,
-                                                guidance_rescale=0.0, audio_guidance_rescale=None, seed=11)),
+    ("tiny_t2v", "tiny", "tiny", {"height": 64, "width": 96, "num_frames": 9, "frame_rate": 24.0, "num_inference_steps": 3,
+                                      "guidance_scale": 3.0, "audio_guidance_scale": 7.0, "guidance_rescale": 0.7,
+                                      "audio_guidance_rescale": 0.7, "seed": 7}),
+    ("tiny_t2v_nocfg", "tiny", "tiny", {"height": 32, "width": 64, "num_frames": 17, "frame_rate": 25.0,
+                                            "num_inference_steps": 2, "guidance_scale": 1.0, "audio_guidance_scale": 1.0,
+                                            "guidance_rescale": 0.0, "audio_guidance_rescale": 0.0, "seed": 3}),
+    ("tiny23_t2v", "tiny-2.3", "tiny-2.3", {"height": 64, "width": 64, "num_frames": 9, "frame_rate": 24.0,
+                                                "num_inference_steps": 2, "guidance_scale": 4.0, "audio_guidance_scale": None,
+                                                "guidance_rescale": 0.0, "audio_guidance_rescale": None, "seed": 11}),
 )
 TEXT_LEN, TEXT_LAYERS = 8, 3     # connectors' text_proj_in_factor = Gemma layers + 1
 
@@ -50,7 +50,11 @@ def tiny_vaes(latent_channels: int, audio_latent_channels: int, mel_bins: int):
 
 
 def make_case(out: Path, name: str, tvar: str, cvar: str, call: dict) -> None:
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline, LTX2VideoTransformer3DModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     torch.manual_seed(0)
     tcfg, ccfg = load_variant(tvar), load_connectors_variant(cvar)

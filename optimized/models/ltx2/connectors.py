@@ -37,7 +37,7 @@ class FastLtx2Connectors:
 
     def __call__(self, text_encoder_hidden_states: torch.Tensor, attention_mask: torch.Tensor,
                  padding_side: str = "left", scale_factor: int = 8, trace=None):
-        c, P = self.cfg, self.p
+        c = self.cfg
         emit = trace or (lambda name, t: None)
         h = text_encoder_hidden_states.to(self.dtype)
         B, L = attention_mask.shape

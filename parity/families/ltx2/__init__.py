@@ -1,4 +1,4 @@
-"""ltx2 parity: C0 (the full forward, reference vs optimized, first divergent layer named), one planted fault,
+"""ltx2 parity: C1 (the LTX2Pipeline loop, parity/families/ltx2/c1.py), C0 (the full forward, reference vs optimized, first divergent layer named), one planted fault,
 the golden probe `ltx2.forward` (cases written by `fvparity align ltx2 --save`), the fvconvert
 post-check, and what `fvparity align` reads (`SIDES`)."""
 
@@ -8,6 +8,8 @@ import optimized.models.ltx2 as opt
 import reference.ltx2 as ref
 from manifests.ltx2 import key_shapes, list_variants, load_variant
 from manifests.ltx2.keys import GAINS
+from parity.families.ltx2.c1 import FAULTS as C1_FAULTS
+from parity.families.ltx2.c1 import run_c1
 from parity.families.ltx2.inputs import make_inputs
 from parity.family import Fault, ParityFamily
 from parity.port.kit import PortedSides
@@ -31,7 +33,9 @@ def check_converted(out_dir) -> dict:
 FAMILY = ParityFamily(
     name="ltx2",
     description="LTX2VideoTransformer3DModel (diffusers:LTX2VideoTransformer3DModel), ported with fvparity port new",
-    levels={"C0": SIDES.run_c0}, variants=list_variants, default_variants=SIDES.default_variants,
+    levels={"C0": SIDES.run_c0, "C1": run_c1}, variants=list_variants, default_variants=SIDES.default_variants,
     faults=tuple(Fault(name, f"{key} scaled on the optimized side", "C0", layer)
-                 for name, (key, layer) in SIDES.faults.items()),
+                 for name, (key, layer) in SIDES.faults.items())
+    + tuple(Fault(name, "the optimized LTX2Pipeline loop planted with " + name[3:].replace("-", " "), "C1", step)
+            for name, step in C1_FAULTS.items()),
     golden_probes={"ltx2.forward": SIDES.golden_probe()}, check_converted=check_converted)
