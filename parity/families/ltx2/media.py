@@ -1,0 +1,88 @@
+"""ltx2 media components (the video VAE here; audio VAE and vocoder to come) at C0: reference vs optimized on the
+same random canonical weights, first divergent module named, planted faults (one weight scaled on the optimized
+side) that C0 must catch and localise.
+
+One `PortedSides` per forward (decode; decode with the timestep conditioning; encode). `MEDIA_LEVELS` /
+`MEDIA_FAULTS` are what the ltx2 `FAMILY` (parity/families/ltx2/__init__.py, owned by ltxpipe) wires in; until
+then tests and `run_media_c0` call them directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import optimized.models.ltx2.video_vae as opt_vae
+import reference.ltx2.video_vae as ref_vae
+from manifests.ltx2.video_vae import VIDEO_VAE_GAINS, load_video_vae_variant, video_vae_key_shapes
+from parity.port.kit import PortedSides
+from parity.report import Report
+
+
+def video_decode_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Latents of 2 frames at 2 x 2 (decodes to r_t + 1 frames), two requests with different decode timesteps
+    (the timestep-conditioned decoder's per-request path)."""
+    g = torch.Generator().manual_seed(seed + 101)
+    out = {"z": torch.randn(2, cfg.latent_channels, 2, 2, 2, generator=g)}
+    if cfg.timestep_conditioning:
+        out["timestep"] = torch.tensor([0.05, 0.3])
+    return out
+
+
+def video_encode_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 202)
+    s = cfg.spatial_ratio
+    return {"video": torch.rand(2, cfg.in_channels, cfg.temporal_ratio + 1, 2 * s, 2 * s, generator=g) * 2 - 1}
+
+
+def _sides(make_inputs, reference, optimized, variants, fault_key, fault_layer, extra=()) -> PortedSides:
+    return PortedSides(family="ltx2", load_variant=load_video_vae_variant, key_shapes=video_vae_key_shapes,
+                       gains=VIDEO_VAE_GAINS, make_inputs=make_inputs, reference=reference, optimized=optimized,
+                       default_variants=variants, fault_key=fault_key, fault_layer=fault_layer, extra_faults=extra)
+
+
+VIDEO_DECODE = _sides(video_decode_inputs, ref_vae.load_video_vae, opt_vae.load_video_vae, ("tiny", "tiny-tc"),
+                      "decoder.up_blocks.1.resnets.0.conv2.conv.weight", "decoder.up_blocks.1",
+                      extra=(("decoder.mid_block.resnets.0.conv1.conv.weight", "decoder.mid_block"),
+                             ("decoder.up_blocks.0.upsamplers.0.conv.conv.bias", "decoder.up_blocks.0"),
+                             ("decoder.conv_in.conv.weight", "decoder.conv_in")))
+# faults only the timestep-conditioned decoder has: a block's timestep embedder, the output scale/shift table
+VIDEO_DECODE_TC = _sides(video_decode_inputs, ref_vae.load_video_vae, opt_vae.load_video_vae, ("tiny-tc",),
+                         "decoder.up_blocks.0.time_embedder.timestep_embedder.linear_2.weight", "decoder.up_blocks.0",
+                         extra=(("decoder.scale_shift_table", "decoder.conv_out"),
+                                ("decoder.mid_block.resnets.0.scale_shift_table", "decoder.mid_block")))
+VIDEO_ENCODE = _sides(video_encode_inputs, ref_vae.load_video_encoder, opt_vae.load_video_encoder, ("tiny", "tiny-tc"),
+                      "encoder.down_blocks.1.downsamplers.0.conv.conv.weight", "encoder.down_blocks.1",
+                      extra=(("encoder.conv_out.conv.bias", "encoder.conv_out"),
+                             ("encoder.down_blocks.0.resnets.0.conv1.conv.weight", "encoder.down_blocks.0")))
+
+MEDIA_SIDES: dict[str, PortedSides] = {"video_vae.decode": VIDEO_DECODE, "video_vae.decode_tc": VIDEO_DECODE_TC,
+                                       "video_vae.encode": VIDEO_ENCODE}
+# fault name (unique across the media forwards) -> (forward, weight scaled, module C0 must name)
+MEDIA_FAULTS: dict[str, tuple[str, str, str]] = {
+    f"{forward}:{name}": (forward, key, layer)
+    for forward, sides in MEDIA_SIDES.items() for name, (key, layer) in sides.faults.items()}
+
+
+def run_media_c0(variants: list[str] | None, checkpoint: str | None, device: str, dtypes: list[str], seed: int,
+                 fault: str | None, progress: Callable[[str], None], **_: Any) -> Report:
+    """C0 of every media forward (each on its own default variants unless `variants` are named and fit it); a
+    `fault` names an entry of MEDIA_FAULTS and plants it in its forward only."""
+    report = Report("ltx2", "C0", {"components": sorted(MEDIA_SIDES), "device": device, "dtypes": dtypes,
+                                   "seed": seed, "fault": fault})
+    for forward, sides in MEDIA_SIDES.items():
+        planted = None
+        if fault is not None:
+            if fault not in MEDIA_FAULTS:
+                from parity.errors import SetupError
+                raise SetupError(f"unknown ltx2 media fault {fault!r}; faults: {', '.join(sorted(MEDIA_FAULTS))}")
+            if MEDIA_FAULTS[fault][0] != forward:
+                continue
+            planted = fault.split(":", 1)[1]
+        sub = sides.run_c0(list(variants or sides.default_variants), checkpoint, device, dtypes, seed, planted,
+                           progress)
+        for check in sub.checks:
+            check.name = f"{forward}/{check.name}"
+            report.checks.append(check)
+    return report

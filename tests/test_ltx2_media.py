@@ -1,0 +1,117 @@
+"""ltx2 media components at C0: the video VAE's decode (plain and timestep-conditioned) and encode agree between
+reference and optimized on random weights; every planted fault fails C0 naming its module; the latent statistics
+round-trip; bad configs are refused by name."""
+
+import pytest
+import torch
+
+from manifests.errors import ManifestError
+from manifests.ltx2.video_vae import (VARIANTS, VIDEO_VAE_GAINS, Ltx2VideoVaeConfig, load_video_vae_variant,
+                                      video_vae_key_shapes)
+from optimized.models.ltx2 import video_vae as opt_vae
+from parity.families.ltx2.media import MEDIA_FAULTS, run_media_c0
+from parity.port.kit import gain_init
+from parity.weights import random_state_dict
+from reference.ltx2 import video_vae as ref_vae
+
+
+def c0(fault=None):
+    return run_media_c0(None, None, "cpu", ["fp32"], 0, fault, lambda m: None)
+
+
+def test_media_c0_passes_on_every_forward():
+    report = c0()
+    names = [c.name for c in report.checks]
+    assert report.passed, [(c.name, c.metrics) for c in report.checks]
+    assert names == ["video_vae.decode/tiny/fp32/forward", "video_vae.decode/tiny-tc/fp32/forward",
+                     "video_vae.decode_tc/tiny-tc/fp32/forward", "video_vae.encode/tiny/fp32/forward",
+                     "video_vae.encode/tiny-tc/fp32/forward"]
+
+
+@pytest.mark.parametrize("fault", sorted(MEDIA_FAULTS))
+def test_each_media_fault_fails_c0_naming_its_module(fault):
+    forward, _, layer = MEDIA_FAULTS[fault]
+    report = c0(fault)
+    failed = [c for c in report.checks if not c.passed]
+    assert failed and all(c.name.startswith(forward + "/") and c.divergence == layer for c in failed), \
+        [(c.name, c.passed, c.divergence) for c in report.checks]
+
+
+def _both(name, seed=0):
+    cfg = load_video_vae_variant(name)
+    state = random_state_dict(video_vae_key_shapes(cfg), seed, gain_init(VIDEO_VAE_GAINS))
+    return cfg, ref_vae.load_video_vae(cfg, state), opt_vae.load_video_vae(cfg, state)
+
+
+def test_latent_normalisation_round_trips_and_matches_the_formula():
+    cfg, ref, opt = _both("tiny")
+    z = torch.randn(1, cfg.latent_channels, 2, 2, 2)
+    mean, std = ref.latents_mean.view(1, -1, 1, 1, 1), ref.latents_std.view(1, -1, 1, 1, 1)
+    want = (z - mean) * cfg.scaling_factor / std          # LTX2Pipeline._normalize_latents
+    for side in (ref, opt):
+        torch.testing.assert_close(side.normalize(z), want)
+        torch.testing.assert_close(side.denormalize(side.normalize(z)), z, rtol=1e-5, atol=1e-5)
+
+
+def test_decoded_shape_is_what_both_sides_produce():
+    for name in ("tiny", "tiny-tc"):
+        cfg, ref, opt = _both(name)
+        z = torch.randn(1, cfg.latent_channels, 2, 2, 3)
+        t = torch.tensor([0.1])
+        with torch.no_grad():
+            assert tuple(ref.decode(z, t).shape) == tuple(opt.decode(z, t).shape) == cfg.decoded_shape(z.shape)
+
+
+def test_timestep_conditioned_decoder_needs_a_timestep_and_uses_it():
+    cfg, ref, opt = _both("tiny-tc")
+    z = torch.randn(1, cfg.latent_channels, 2, 2, 2)
+    for side in (ref, opt):
+        with pytest.raises(ValueError, match="timestep"):
+            side.decode(z)
+    with torch.no_grad():
+        a, b = opt.decode(z, torch.tensor([0.0])), opt.decode(z, torch.tensor([0.5]))
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_encoder_moments_are_mean_then_one_repeated_logvar():
+    cfg, ref, opt = _both("tiny")
+    video = torch.rand(1, 3, 5, 16, 16) * 2 - 1
+    with torch.no_grad():
+        m = opt.encode(video)
+    L = cfg.latent_channels
+    assert m.shape[1] == 2 * L
+    assert torch.equal(m[:, L:], m[:, L:L + 1].expand_as(m[:, L:]))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(patch_size_t=2), "patch_size_t"),
+    (dict(decoder_inject_noise=(True, False, False)), "inject_noise"),
+    (dict(downsample_type=("conv", "spatiotemporal")), "conv"),
+    (dict(layers_per_block=(1, 1)), "layers_per_block"),
+])
+def test_unported_or_malformed_configs_are_refused_by_name(change, message):
+    import dataclasses
+    with pytest.raises(ManifestError, match=message):
+        dataclasses.replace(VARIANTS["tiny"], **change).validate()
+
+
+def test_strict_load_refuses_a_missing_key():
+    cfg = load_video_vae_variant("tiny")
+    state = random_state_dict(video_vae_key_shapes(cfg), 0, gain_init(VIDEO_VAE_GAINS))
+    del state["latents_std"]
+    with pytest.raises(Exception, match="latents_std"):
+        opt_vae.load_video_vae(cfg, state)
+    with pytest.raises(Exception, match="latents_std"):
+        ref_vae.load_video_vae(cfg, state)
+
+
+def test_released_size_shapes():
+    """The released LTX-2 video VAE (upstream constructor defaults) as shapes only: 128 latent channels, 32x
+    spatial / 8x temporal compression, encoder 2048 wide at the bottom."""
+    cfg = load_video_vae_variant("upstream-default")
+    shapes = video_vae_key_shapes(cfg)
+    assert (cfg.spatial_ratio, cfg.temporal_ratio) == (32, 8)
+    assert shapes["encoder.conv_in.conv.weight"] == (128, 48, 3, 3, 3)
+    assert shapes["encoder.conv_out.conv.weight"] == (129, 2048, 3, 3, 3)
+    assert shapes["decoder.conv_out.conv.weight"] == (48, 128, 3, 3, 3)
+    assert cfg.decoded_shape((1, 128, 16, 16, 24)) == (1, 3, 121, 512, 768)
