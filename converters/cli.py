@@ -355,6 +355,26 @@ def formats_cmd() -> int:
 cli.add_command(lora_cmd)   # fvconvert lora FAMILY SRC OUT (converters/lora.py)
 
 
+@cli.command("export", short_help="Canonical model directory -> an upstream pipeline root (diffusers).",
+             context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--to", "target", required=True, type=click.Choice(["diffusers"]), help="Upstream layout to write.")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (only after the new one is complete).")
+def export_cmd(target: str, model_dir: Path, out: Path, force: bool) -> int:
+    """Write the diffusers pipeline root of a canonical wan model directory (the inverse of
+    `fvconvert wan --from diffusers ROOT OUT`; tensors bit for bit). See converters/export.py."""
+    from converters.export import export_diffusers
+
+    rep = export_diffusers(model_dir, out, force=force)
+    click.echo(f"exported {rep.family} {model_dir} -> {out} ({rep.pipeline_class})")
+    for name, c in rep.components.items():
+        click.echo(f"  {name + ':':<14} {c['num_keys']} tensors -> {c['weights_file']}"
+                   + (f" (tied copies: {', '.join(c['tied'])})" if c["tied"] else ""))
+    click.echo(f"  assets:        {', '.join(rep.assets)}")
+    return 0
+
+
 def _usage_line(e: click.UsageError) -> str:
     msg = " ".join(e.format_message().split())
     path = e.ctx.command_path if e.ctx is not None else PROG
