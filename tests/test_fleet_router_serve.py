@@ -139,6 +139,24 @@ def test_concurrent_requests_spread_over_the_denoisers_each_bitwise_the_colocate
     assert used == {"denoiser-0", "denoiser-1"}
 
 
+def test_progress_events_follow_the_denoisers_steps(tmp_path):
+    """With health probes every 50 ms, a long denoise stage on a replica announces its steps as progress events."""
+    import dataclasses
+
+    from optimized.serving.fleet_server import FleetGateway, create_fleet_app
+    s = spec(denoisers=1)
+    gw = FleetGateway.start(dataclasses.replace(s, routing=dataclasses.replace(s.routing, health_interval_s=0.05)))
+    with TestClient(create_fleet_app(gw, output_dir=tmp_path)) as client:
+        vid = client.post("/v1/videos", json={**BODY, "steps": 100}).json()["id"]
+        events = client.get(f"/v1/videos/{vid}/events").text
+        assert wait(client, vid)["status"] == "completed"
+    import json
+    steps = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: ")]
+    denoise = [e["step"] for e in steps if e["kind"] == "progress" and e["stage"] == "denoise"]
+    assert len(denoise) > 2 and denoise == sorted(set(denoise)) and denoise[-1] == 100   # each step once, in order
+    assert all(e["total"] == 100 for e in steps if e["kind"] == "progress" and e["stage"] == "denoise")
+
+
 def test_a_prompt_goes_to_the_denoiser_holding_its_text_embedding(fleet, colocated):
     import dataclasses
     client, gw = fleet

@@ -63,7 +63,7 @@ class CacheEventSpec:
 class HealthSchema:
     statuses: tuple[str, ...] = ("healthy", "unhealthy", "dead")
     replica_fields: tuple[str, ...] = ("replica_id", "status", "inflight", "completed", "backlog_s",
-                                       "resident_cache_keys", "running", "pid", "reason")
+                                       "resident_cache_keys", "running", "step", "pid", "reason")
     fleet_statuses: tuple[str, ...] = ("ok", "degraded")   # degraded: some role has no healthy replica
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 10.0

@@ -72,7 +72,8 @@ class ReplicaActor:
 
     def health(self) -> HealthReport:
         return HealthReport(self.replica_id, self.role, True, inflight=self.inflight, completed=self.completed,
-                            resident=tuple(self.worker.resident()), detail=self.current or "", pid=os.getpid())
+                            resident=tuple(self.worker.resident()), detail=self.current or "", pid=os.getpid(),
+                            step=int(getattr(self.worker, "steps_done", 0)) if self.current else 0)
 
     def pid(self) -> int:
         return os.getpid()

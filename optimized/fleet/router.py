@@ -87,6 +87,7 @@ class HealthReport:
     resident: tuple[str, ...] = ()
     detail: str = ""                   # what it is running now ("REQUEST/role#attempt"), or why it is unhealthy
     pid: int | None = None             # the replica's process (an operator's handle)
+    step: int = 0                      # steps the running stage has completed (its loop's trace.step events)
 
 
 class Replica(Protocol):
@@ -199,6 +200,7 @@ class _ReplicaState:
     last_probe: float = 0.0
     running: str = ""                  # the stage it reported running at the last probe
     pid: int | None = None
+    step: int = 0                      # ... and the steps that stage had completed
 
 
 @dataclass(frozen=True)
@@ -357,6 +359,7 @@ class Router:
                     st.healthy = bool(report.healthy)
                     st.reason = "" if st.healthy else report.detail
                     st.running, st.pid = (report.detail if st.healthy else ""), report.pid
+                    st.step = report.step if st.running else 0
                     st.resident = frozenset(report.resident)
                 out[rid] = st.healthy
         return out
@@ -367,7 +370,7 @@ class Router:
             pools = {role: [{"replica_id": rid, "status": "dead" if st.dead else "healthy" if st.healthy else
                              "unhealthy", "inflight": st.inflight, "completed": st.completed,
                              "backlog_s": round(st.backlog_s, 6), "resident_cache_keys": len(st.resident),
-                             "running": st.running, "pid": st.pid, **({"reason": st.reason} if st.reason else {})}
+                             "running": st.running, "step": st.step, "pid": st.pid, **({"reason": st.reason} if st.reason else {})}
                             for rid, st in sorted(pool.items())] for role, pool in self.states.items()}
         ready = all(any(r["status"] == "healthy" for r in reps) for reps in pools.values())
         return {"status": "ok" if ready else "degraded", "roles": pools}

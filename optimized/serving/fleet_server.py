@@ -18,8 +18,10 @@ decoder = the chunked VAE decode (+ the sound decoder). Same kernels, same input
 bitwise the co-located engine's on CPU fp32 (tests/test_fleet_router_serve.py in-process, test_fleet_ray_serve.py
 on Ray). Affinity: a replica reports the input hashes of its CacheStores' entries; a request's prompt
 (`text_ids:<sha256>`) goes to the denoiser already holding its embedding, unless that one is far behind (cost).
-Within a stage, cancellation and progress are per stage (the replica's scheduler owns the step boundaries); decode
-chunks are not streamed (`on_output` is refused).
+Cancellation lands at the next stage boundary (inside a stage the replica's scheduler owns the step boundaries).
+Progress: each replica counts its running stage's steps (its loop's trace.step events); the health probes read the
+count and the gateway announces each step once as a `progress` event (as fine-grained as health_interval_s), plus
+one when the stage completes. Decode chunks are not streamed (`on_output` is refused).
 """
 
 from __future__ import annotations
@@ -114,6 +116,11 @@ class EngineStageWorker:
         self.cache: OrderedDict[str, Any] = OrderedDict()   # encoder: image content hash -> encode result
         self.cache_entries = cache_entries
         self.stores = cache_stores(self.engine.model)       # the model's own caches (e.g. text embeddings)
+        self.steps_done = 0                                 # steps of the running stage (read by health probes)
+        self.engine.subscribe(self._on_step, prefix="trace.step")
+
+    def _on_step(self, ev: Any) -> None:
+        self.steps_done = int(ev.data.get("step", 0)) + 1
 
     def resident(self) -> tuple[str, ...]:
         """Affinity keys of what this replica holds: the encoder's image encodes, and "NAME:HASH" for every input
@@ -127,6 +134,7 @@ class EngineStageWorker:
     def run_stage(self, call: StageCall) -> StageOutput:
         rid = f"{call.request_id}/{STAGE_OF_ROLE[call.role]}#{call.attempt}"
         p, hit = call.payload, False
+        self.steps_done = 0
         if call.role == "encoder":
             req = p.request
             if p.image is not None and self.media.encode_kernel is not None:
@@ -228,6 +236,7 @@ class FleetProgram:
         self.events: list = []
         self._listeners: list[Callable[[Any], Any]] = []
         self._cancel = False
+        self._steps_seen: dict[str, int] = {}               # stage -> the last step a progress event announced
         self.done = threading.Event()
 
     def subscribe(self, fn: Callable[[Any], Any], replay: bool = True) -> Callable[[], None]:
@@ -266,9 +275,25 @@ class FleetProgram:
             self.status, self.stage = "running", stage
             self._emit("request.stage", stage=stage, replica=data["replica"], attempt=data["attempt"])
         elif kind == "stage.completed":
-            self._emit("progress", stage=stage, step=1, total=1, replica=data["replica"])
+            self._steps_seen[stage] = 1 << 62               # a probe read before this point is stale now
+            done = self._total(stage) or 1
+            self._emit("progress", stage=stage, step=done, total=done, replica=data["replica"])
         elif kind == "stage.failover":
             self._emit("request.failover", stage=stage, replica=data["replica"], error=data["error"])
+
+    def _total(self, stage: str) -> int | None:
+        return getattr(self.request, "num_steps", None) if stage == "denoise" else None
+
+    def on_probe(self, stage: str, step: int, replica: str) -> None:
+        """A health probe saw `step` steps of this request's running `stage` done on `replica`: one progress
+        event per step not announced yet (as coarse as the probe interval)."""
+        seen = self._steps_seen.get(stage, 0)
+        total = self._total(stage)
+        if self.status != "running" or self.stage != stage:
+            return
+        for s in range(seen + 1, step + 1 if total is None else min(step, total - 1) + 1):
+            self._emit("progress", stage=stage, step=s, total=total, replica=replica)
+        self._steps_seen[stage] = max(seen, step)
 
     def _run(self) -> None:
         t0 = time.perf_counter()
@@ -359,8 +384,17 @@ class FleetGateway:
         while not self._stop.wait(self.spec.routing.health_interval_s):
             try:
                 self.router.check_health()
+                self._announce_steps()
             except Exception:  # noqa: BLE001 - a probe bug must not stop the probes
                 pass
+
+    def _announce_steps(self) -> None:
+        for role, pool in self.router.states.items():
+            for rid, st in pool.items():
+                request, _, rest = st.running.rpartition("/")
+                prog = self.programs.get(request)
+                if prog is not None and st.step and rest.startswith(f"{role}#"):
+                    prog.on_probe(STAGE_OF_ROLE[role], st.step, rid)
 
     def card(self) -> dict:
         from optimized.fleet.card import fleet_card
