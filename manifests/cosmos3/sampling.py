@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from manifests.accel import AccelSpec
 from manifests.cosmos3.config import Cosmos3Config
 from manifests.bounds import RequestBounds
 from manifests.errors import ManifestError, RequestFieldError
 from manifests.solvers import UniPCConfig  # noqa: F401  (re-exported: the cosmos3 request's sampler settings)
 from manifests.solvers import SDEConfig  # noqa: F401  (sde: stochastic rollout steps with logprobs)
 
+ACCEL_LOOP = "cosmos3.denoise"              # the loop id an acceleration's kind must list to apply here
 ACTION_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 # what a cosmos3 generation may ask for at all (upstream's text encoder pads prompts to 512 tokens)
 BOUNDS = RequestBounds(max_steps=1000, max_abs_guidance=1e4, max_prompt_tokens=512, max_fps=1000.0)
@@ -62,6 +64,7 @@ class Cosmos3GenerateRequest:
     noise_sound: torch.Tensor | None = None
     noise_action: torch.Tensor | None = None
     sde: SDEConfig | None = None              # SDE rollout steps on the UniPC schedule (RL); None = ODE
+    accel: AccelSpec | None = None            # a step cache / guidance interval (manifests/accel); None = exact
 
     def validate(self, cfg: Cosmos3Config) -> "Cosmos3GenerateRequest":
         who = "cosmos3 request"
@@ -92,6 +95,11 @@ class Cosmos3GenerateRequest:
             need(isinstance(self.sde, SDEConfig), "sde must be an SDEConfig")
             self.sde.validate(self.num_steps)
             need(self.seed is not None, "sde sampling needs a seed (its step noise is drawn from it)")
+        if self.accel is not None:
+            need(isinstance(self.accel, AccelSpec), f"accel must be an AccelSpec (manifests.accel.parse_accel), got "
+                 f"{type(self.accel).__name__}", "accel")
+            need(ACCEL_LOOP in self.accel.kind.loops, f"accel {self.accel.name} does not apply to the cosmos3 "
+                 f"denoising loop (it applies to: {', '.join(self.accel.kind.loops)})", "accel")
         T = self.latent_frames
         need(all(0 <= f < T for f in self.vision_condition_frames),
              f"vision_condition_frames {list(self.vision_condition_frames)} out of range for {T} latent frames")

@@ -10,6 +10,7 @@ import torch
 from manifests.cosmos3 import Cosmos3Config
 from manifests.cosmos3.io import Cosmos3ForwardInputs
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest
+from reference.cosmos3.accel import BranchCache
 from reference.cosmos3.model import Cosmos3Transformer
 from reference.solvers.sde import FlowSDE, gaussian_logprob
 from reference.solvers.unipc import UniPCFlow
@@ -24,6 +25,7 @@ class GenerateResult:
     timesteps: list[int] = field(default_factory=list)                      # what the model was fed
     logprobs: dict[str, list] = field(default_factory=dict)  # SDE: per modality, per step (None on ODE steps)
     noise: dict[str, list] = field(default_factory=dict)     # SDE: per modality, the draw of each SDE step
+    accel: list = field(default_factory=list)                # request.accel: AccelDecision per step and branch
 
 
 MODALITY_INDEX = {"vision": 0, "sound": 1, "action": 2}
@@ -72,8 +74,11 @@ def initial_latents(cfg: Cosmos3Config, req: Cosmos3GenerateRequest, gen: torch.
 
 
 def predict_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3GenerateRequest,
-                     text_ids: torch.Tensor, timestep: int, vision, vision_mask, sound, action, action_mask):
-    """One transformer call (one CFG branch), velocities masked to zero on conditioned frames/rows, in fp32."""
+                     text_ids: torch.Tensor, timestep: int, vision, vision_mask, sound, action, action_mask,
+                     cache: BranchCache | None = None, step: int = 0, decisions: list | None = None):
+    """One transformer call (one CFG branch), velocities masked to zero on conditioned frames/rows, in fp32.
+    With `cache` (request.accel, reference/cosmos3/accel.py) the branch's cache makes the call and its decision is
+    appended to `decisions`; None comes back when the branch does not run this step."""
     dtype = model.embed_tokens.weight.dtype
     a = req.action
     cond_rows = tuple(range(a.chunk_size)) if a is not None and a.mode == "forward_dynamics" else ()
@@ -84,7 +89,13 @@ def predict_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3
         fps_sound=float(cfg.sound_latent_fps) if sound is not None else None,
         action_latents=action.to(dtype) if action is not None else None,
         action_condition_rows=cond_rows, action_domain_id=a.domain_id if a is not None else None)
-    pred = model(inp)
+    if cache is None:
+        pred = model(inp)
+    else:
+        pred, decision = cache.forward(model, step, inp)
+        decisions.append(decision)
+        if pred is None:
+            return None
     v_vision = (pred.vision * (1.0 - vision_mask)).float()
     v_sound = pred.sound.float() if sound is not None else None
     v_action = None
@@ -95,13 +106,17 @@ def predict_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3
     return v_vision, v_sound, v_action
 
 
-def guided_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3GenerateRequest, t: int, state):
+def guided_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3GenerateRequest, t: int, state,
+                    caches: dict[str, BranchCache] | None = None, step: int = 0, decisions: list | None = None):
     """[vision, sound, action] velocities (None where absent) of one step: cond, and with CFG the uncond branch
-    combined in velocity space, fp32, one scale for every modality."""
-    v_c = predict_velocity(model, cfg, req, req.text_ids, t, *state)
+    combined in velocity space, fp32, one scale for every modality. `caches`: request.accel's cache per branch."""
+    on = lambda branch: {} if caches is None else {"cache": caches[branch], "step": step, "decisions": decisions}  # noqa: E731
+    v_c = predict_velocity(model, cfg, req, req.text_ids, t, *state, **on("cond"))
     if not req.uses_cfg:
         return list(v_c)
-    v_u = predict_velocity(model, cfg, req, req.negative_text_ids, t, *state)
+    v_u = predict_velocity(model, cfg, req, req.negative_text_ids, t, *state, **on("uncond"))
+    if v_u is None:   # guidance interval: the uncond branch did not run, the cond velocity alone
+        return list(v_c)
     return [None if c is None else u + req.guidance_scale * (c - u) for c, u in zip(v_c, v_u)]
 
 
@@ -134,11 +149,15 @@ def generate(model: Cosmos3Transformer, req: Cosmos3GenerateRequest, keep_trajec
     has_noisy_action = action_mask is not None and bool((action_mask == 0).any())
     result = GenerateResult(vision=vision)
     sde = FlowSDE(req.sde, vision_sched.sigmas) if req.sde is not None else None  # the UniPC tables, SDE steps
+    caches = None
+    if req.accel is not None:   # one cache per CFG branch for the whole run
+        caches = {b: BranchCache(req.accel, b, req.num_steps, cfg.num_layers)
+                  for b in (("cond", "uncond") if req.uses_cfg else ("cond",))}
 
     with torch.no_grad():
         for i, t in enumerate(vision_sched.timesteps.tolist()):
             state = (vision, vision_mask, sound, action, action_mask)
-            v = guided_velocity(model, cfg, req, t, state)
+            v = guided_velocity(model, cfg, req, t, state, caches, i, result.accel)
             if sde is not None:  # noise drawn per modality in order vision, sound, action
                 stepped = {"vision": vision, **({"sound": sound} if sound is not None else {}),
                            **({"action": action} if action is not None and has_noisy_action else {})}

@@ -7,15 +7,21 @@ varlen forwards, mask and combine the velocities in fp32, advance each request's
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 import torch
 
+from manifests.accel import AccelDecision, AccelSpec
 from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
 from manifests.cosmos3.sampling import Cosmos3GenerateRequest
-from optimized.models.cosmos3.model import Cosmos3Fast
+from optimized.accel.residual import ResidualCache, ResidualOwner
+from optimized.accel.rules import BranchRule, make_rule
+from optimized.accel.stack import AccelRow, cached_forward
+from optimized.models.cosmos3.model import Cosmos3CachedStack, Cosmos3Fast, unflatten_prediction
+from optimized.models.cosmos3.spec import TRANSFORMER
 from optimized.runtime.cache import CacheKey
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan, per_rank_share
 from optimized.solvers import sde as sde_solver
@@ -25,6 +31,16 @@ from optimized.solvers.policies import make_policy
 from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_header, one_at_a_time
 
 MODALITIES = ("vision", "sound", "action")
+_REQUEST_TOKENS = itertools.count()
+
+
+@dataclass
+class Cosmos3AccelState:
+    """One request's acceleration: its rule per CFG branch, whose residuals it owns, every decision so far."""
+    spec: AccelSpec
+    owner: ResidualOwner
+    rules: dict[str, BranchRule]                    # "cond" / "uncond" -> the branch's own rule
+    decisions: list[AccelDecision] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,7 @@ class DenoiseState:
     sde: sde_solver.SDEState | None = None          # SDE rollout steps (request.sde) instead of UniPC
     generator: torch.Generator | None = None        # the request's own generator (SDE step noise comes from it)
     recorder: BehaviorRecorder | None = None        # behavior capture (job.capture)
+    accel: Cosmos3AccelState | None = None          # request.accel: the step caches' rules and decisions
 
     @property
     def request(self) -> Cosmos3GenerateRequest:
@@ -71,6 +88,7 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
         self.fast = fast
         self.cfg_policy = make_policy(cfg_policy)
         self.und_refcount: dict[CacheKey, int] = {}
+        self.residuals = ResidualCache()              # the step caches' residuals (optimized/accel/residual.py)
 
     # ---- request -> state
     def init_state(self, job: DenoiseJob | Cosmos3GenerateRequest) -> DenoiseState:
@@ -98,8 +116,30 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
             header = behavior_header("cosmos3", self.loop_id, req, self.fast, self.cfg_policy.name, "unipc",
                                      solvers["vision"].sigmas, timesteps, keys, job.capture)
             recorder = BehaviorRecorder.start(job.capture, header, stepped, len(timesteps))
+        accel = self._accel_state(job, latents) if req.accel is not None else None
         return DenoiseState(job, timesteps.tolist(), latents, solvers, vision_keep, action_keep, und_keys=keys,
-                            initial=initial, sde=sde, generator=gen, recorder=recorder)
+                            initial=initial, sde=sde, generator=gen, recorder=recorder, accel=accel)
+
+    def _accel_state(self, job: DenoiseJob, latents: dict[str, torch.Tensor]) -> Cosmos3AccelState:
+        """The request's rules per branch; refusals (one clear message) for what the accelerated step cannot run."""
+        req = job.request
+        if job.capture is not None and job.capture.batch_invariant:
+            raise ValueError("cosmos3 request: accel with a batch-invariant capture is not supported (the cached "
+                             "step batches its rows)")
+        if self.layout() is not None or self.fast.sequence_parallel is not None or self.fast.tp is not None \
+                or self.cfg_policy.name != "batched":
+            raise ValueError("cosmos3 request: accel runs on a single device with the batched CFG policy "
+                             f"(this loop: policy {self.cfg_policy.name}, plan {self.layout()})")
+        branches = ("cond", "uncond") if req.uses_cfg else ("cond",)
+        try:
+            rules = {b: make_rule(req.accel, b, req.num_steps, self.fast.cfg.num_layers) for b in branches}
+        except ValueError as e:
+            raise ValueError(f"cosmos3 request: {e}") from None
+        shape = ";".join(f"{m}={'x'.join(map(str, t.shape))}" for m, t in latents.items())
+        owner = ResidualOwner(request=f"cosmos3-{next(_REQUEST_TOKENS)}", model_id="cosmos3",
+                              component_id=TRANSFORMER, weights_version=self.fast.weights_version,
+                              precision=str(self.fast.dtype), shape_signature=shape, spec=req.accel)
+        return Cosmos3AccelState(req.accel, owner, rules)
 
     def _initial_latents(self, req: Cosmos3GenerateRequest, g: torch.Generator | None):
         cfg = self.fast.cfg
@@ -222,7 +262,16 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
     def guided_velocities(self, states: Sequence[DenoiseState], one_by_one: bool = False
                           ) -> list[dict[str, torch.Tensor]]:
         """Every state's fp32 velocities at its current step (masked, CFG-combined), from one or two batched
-        forwards; one forward per input, in order, when `one_by_one` or a request asks for batch invariance."""
+        forwards; one forward per input, in order, when `one_by_one` or a request asks for batch invariance.
+        Requests with an acceleration take the cached step (`accel_velocities`); the others this exact path."""
+        if any(s.accel is not None for s in states):
+            exact = [s for s in states if s.accel is None]
+            fast = [s for s in states if s.accel is not None]
+            by_state = dict(zip(map(id, exact), self.guided_velocities(exact, one_by_one) if exact else []))
+            by_state.update(zip(map(id, fast), self.accel_velocities(fast)))
+            if not exact:   # the cached step runs its layers eagerly, segment by segment
+                self.fast.last_step_info = {"graph": "eager", "bucket": "accel", "graph_cache": "accel"}
+            return [by_state[id(s)] for s in states]
         cond = [self._inputs(s, s.request.text_ids, s.timesteps[s.step]) for s in states]
         guided = [s for s in states if s.request.uses_cfg]
         uncond = [self._inputs(s, s.request.negative_text_ids, s.timesteps[s.step]) for s in guided]
@@ -240,6 +289,43 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
                 v = {m: cfg_combine(v[m], vu[m], s.request.guidance_scale) for m in v}
             out.append(v)
         return out
+
+    def accel_velocities(self, states: Sequence[DenoiseState]) -> list[dict[str, torch.Tensor]]:
+        """One cached step per group of same-shape requests (their outputs flatten to one length and their gen
+        stream pads the same every step): every request's cond and uncond rows in one batch, each row deciding for
+        itself (optimized/accel/stack.py); the decisions are appended to each request's state."""
+        groups: dict[tuple, list[DenoiseState]] = {}
+        for s in states:
+            shapes = tuple((m, tuple(t.shape)) for m, t in s.latents.items())
+            groups.setdefault((self._gen_tokens(s.request), shapes), []).append(s)
+        by_state: dict[int, dict[str, torch.Tensor]] = {}
+        for group in groups.values():
+            inputs, rows = [], []
+            for s in group:
+                for branch in s.accel.rules:
+                    ids = s.request.text_ids if branch == "cond" else s.request.negative_text_ids
+                    inputs.append(self._inputs(s, ids, s.timesteps[s.step]))
+                    rows.append(AccelRow(s.accel.owner, branch, s.accel.rules[branch], s.step))
+            outputs, decisions = cached_forward(Cosmos3CachedStack(self.fast), inputs, rows, self.residuals)
+            i = 0
+            for s in group:
+                n = len(s.accel.rules)
+                s.accel.decisions.extend(decisions[i:i + n])
+                like = {m: self._output_shape(s, m) for m in s.latents}
+                preds = [None if o is None else unflatten_prediction(o, like) for o in outputs[i:i + n]]
+                v = self._velocities(s, preds[0])
+                if n == 2 and preds[1] is not None:   # a skipped uncond branch (guidance interval): cond alone
+                    vu = self._velocities(s, preds[1])
+                    v = {m: cfg_combine(v[m], vu[m], s.request.guidance_scale) for m in v}
+                by_state[id(s)] = v
+                i += n
+        return [by_state[id(s)] for s in states]
+
+    @staticmethod
+    def _output_shape(s: DenoiseState, m: str) -> torch.Size:
+        """The model's prediction shape of modality m (the latents' shape: vision [1, C, T, H, W], sound [S, T_s],
+        action [chunk, A])."""
+        return s.latents[m].shape
 
     def _sde_advance(self, s: DenoiseState, v: dict[str, torch.Tensor]):
         """One SDE (or windowed-ODE) step of every stepped modality; noise drawn in order vision, sound, action
@@ -260,6 +346,9 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
         velocities = self.guided_velocities(states)
         for p in plans:  # trace.step says how the body ran: graph (eager/compiled/replayed), bucket, graph_cache
             p.info.update(self.fast.last_step_info)
+        for p, s in zip(plans, states):   # trace.step shows what each accelerated request skipped this step
+            if s.accel is not None:
+                p.info["accel"] = [asdict(d) for d in s.accel.decisions if d.step == s.step]
         for s, v in zip(states, velocities):
             if s.sde is not None:
                 latents, sde, logprobs, noise = self._sde_advance(s, v)
@@ -302,12 +391,17 @@ class FlowDenoiseLoop(LoopKernel[DenoiseState]):
                "timesteps": s.timesteps[: s.step]}
         if s.recorder is not None:
             out["behavior"] = s.recorder.record(s.latents)
+        if s.accel is not None:
+            out["accel"] = {"label": s.accel.spec.label(), "decisions": list(s.accel.decisions)}
+            self.residuals.release(s.accel.owner)
         return out
 
     def release(self, s: DenoiseState) -> None:
         """Drop this request's hold on its und-stream cache entries. A cancelled (or failed) request's entries
         that no live request uses are evicted now; a completed request's stay in the LRU store for reuse."""
         finished = self.is_done(s)
+        if s.accel is not None:   # the request's residuals leave the cache store
+            self.residuals.release(s.accel.owner)
         for k in s.und_keys:
             n = self.und_refcount.get(k, 0) - 1
             if n <= 0:

@@ -579,3 +579,88 @@ def load_sharded(path: str | Path, mesh: Any, device: str = "cpu", dtype: torch.
     tp = mesh.axis("tp")
     state = read_sharded_state(comp, cfg, tp)   # tp.py
     return Cosmos3Fast(cfg, state, device=device, dtype=dtype, weights_version=ckpt.weights_version, tp=tp)
+
+
+# ------------------------------------------------------------------ the step / residual caches' view of the gen stack
+@dataclass
+class CachedBatch:
+    """One embedded batch for `Cosmos3CachedStack`: the gen stream as x [B, N, D] (pad rows exactly zero), its
+    geometry, the per-layer text K/V and the real-row mask [B, N, 1]."""
+    x: torch.Tensor
+    inputs: list
+    geo: packing.BatchGeometry
+    text_k: torch.Tensor            # [layers, B, T, K, d]
+    text_v: torch.Tensor
+    real: torch.Tensor              # bool [B, N, 1]
+
+
+class Cosmos3CachedStack:
+    """Cosmos3Fast as an `optimized.accel.stack.CachedStack`. The cached "block stack" is the gen pathway's layers;
+    the und (text) stream never depends on gen tokens, so its per-layer K/V come whole from the und cache and every
+    gen layer can run on any subset of rows. Pad rows of the gen stream are kept at exactly 0 after every segment
+    (pad keys are masked, so the real rows are unchanged bitwise): a residual's relative L1 over [N_pad, D] then
+    equals the one over the sample's real rows, as the reference computes it. `head` returns each row's decoded
+    prediction flattened to one vector ([vision | sound | action], `flatten_prediction`): the caches' "output".
+    Eager and single-device (refused under sequence / tensor parallelism by the loop)."""
+
+    def __init__(self, fast: Cosmos3Fast) -> None:
+        if fast.sequence_parallel is not None or fast.tp is not None:
+            raise ValueError("cosmos3 accel runs on a single-device model (no sequence / tensor parallel plan)")
+        self.fast, self.num_layers, self.dtype = fast, fast.cfg.num_layers, fast.dtype
+        self.keys_skipped: list[int] = []   # no sparse attention on cosmos3: nothing skipped
+
+    @torch.no_grad()
+    def embed(self, inputs: Sequence[Cosmos3ForwardInputs], steps: list[int]) -> CachedBatch:
+        fast, cfg = self.fast, self.fast.cfg
+        for x in inputs:
+            x.validate(cfg)
+        axis = ops.mrope_axis_of_column(cfg.head_dim // 2, cfg.rope_axes_dim)
+        und, _, _ = fast._und_kv(inputs, axis, fast.use_und_cache, want_trace=False)
+        geo = fast._geometry(inputs, axis)
+        text_k, text_v = fast._text_kv(und, geo.text_pad)
+        B, N = geo.batch, geo.gen_pad
+        real = torch.zeros(B, N, 1, dtype=torch.bool, device=fast.device)
+        for s in range(B):
+            real[s, : geo.layouts[s].gen_len] = True
+        G = fast._embed_gen(inputs, geo).view(B, N, -1)
+        return CachedBatch(torch.where(real, G, 0.0), list(inputs), geo, text_k, text_v, real)
+
+    @torch.no_grad()
+    def run_blocks(self, batch: CachedBatch, x: torch.Tensor, rows: list[int], start: int, end: int) -> torch.Tensor:
+        fast, geo = self.fast, batch.geo
+        n, N, D = x.shape
+        idx = torch.tensor(rows, device=x.device)
+        cos = geo.cos.view(geo.batch, N, -1)[idx].reshape(n * N, -1)
+        sin = geo.sin.view(geo.batch, N, -1)[idx].reshape(n * N, -1)
+        key_mask = geo.key_mask[idx]
+        G = x.reshape(n * N, D)
+        for li in range(start, end):
+            G = fast._gen_layer(G, fast.layers[li]["gen"], batch.text_k[li][idx], batch.text_v[li][idx], key_mask,
+                                cos, sin)
+        return torch.where(batch.real[idx], G.view(n, N, D), 0.0)
+
+    @torch.no_grad()
+    def head(self, batch: CachedBatch, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if rows != list(range(batch.geo.batch)):
+            raise ValueError("cosmos3 accel: the head decodes the whole embedded batch")
+        fast = self.fast
+        h = fast._norm(x.reshape(-1, x.shape[-1]), fast.params["gen_norm.weight"])
+        preds = fast._decode(h, batch.inputs, batch.geo)
+        return torch.cat([flatten_prediction(p) for p in preds])
+
+
+def flatten_prediction(pred: Cosmos3Prediction) -> torch.Tensor:
+    """[1, M]: vision, then sound, then action, each flattened (what the step caches store and predict)."""
+    parts = [t.reshape(-1) for t in (pred.vision, pred.sound, pred.action) if t is not None]
+    return torch.cat(parts)[None]
+
+
+def unflatten_prediction(flat: torch.Tensor, like: dict[str, torch.Size]) -> Cosmos3Prediction:
+    """The inverse of `flatten_prediction` for a sample whose outputs have the shapes `like` (by modality)."""
+    out, at = {}, 0
+    for m in ("vision", "sound", "action"):
+        if m in like:
+            n = int(torch.Size(like[m]).numel())
+            out[m] = flat.reshape(-1)[at:at + n].view(like[m])
+            at += n
+    return Cosmos3Prediction(vision=out["vision"], sound=out.get("sound"), action=out.get("action"))
