@@ -78,7 +78,8 @@ def test_golden_latents_and_steps(name, side):
 def test_golden_catches_a_planted_loop_bug(bug):
     """Negative controls for the golden check: a loop run with one realistic porting bug leaves the tolerance."""
     import dataclasses
-    meta, tcfg, ccfg, sched, req, media, (tw, cw), inp, out = _case("tiny_t2v")
+    meta, tcfg, ccfg, sched, req, media, (tw, cw), inp, out = _case("tiny23_t2v" if bug.startswith("audio")
+                                                                    else "tiny_t2v")
     if bug == "no_terminal_stretch":
         sched = dataclasses.replace(sched, shift_terminal=None)
     elif bug == "no_rescale":

@@ -23,18 +23,19 @@ from manifests.ltx2 import load_variant
 from manifests.ltx2.connectors import load_connectors_variant
 from manifests.ltx2.sampling import Ltx2SchedulerConfig
 
-# (case, transformer variant, connectors variant, call arguments)
-CASES = (
-    ("tiny_t2v", "tiny", "tiny", {"height": 64, "width": 96, "num_frames": 9, "frame_rate": 24.0, "num_inference_steps": 3,
-                                      "guidance_scale": 3.0, "audio_guidance_scale": 7.0, "guidance_rescale": 0.7,
-                                      "audio_guidance_rescale": 0.7, "seed": 7}),
-    ("tiny_t2v_nocfg", "tiny", "tiny", {"height": 32, "width": 64, "num_frames": 17, "frame_rate": 25.0,
-                                            "num_inference_steps": 2, "guidance_scale": 1.0, "audio_guidance_scale": 1.0,
-                                            "guidance_rescale": 0.0, "audio_guidance_rescale": 0.0, "seed": 3}),
-    ("tiny23_t2v", "tiny-2.3", "tiny-2.3", {"height": 64, "width": 64, "num_frames": 9, "frame_rate": 24.0,
-                                                "num_inference_steps": 2, "guidance_scale": 4.0, "audio_guidance_scale": None,
-                                                "guidance_rescale": 0.0, "audio_guidance_rescale": None, "seed": 11}),
-)
+# (case, transformer variant, connectors variant, call arguments). tiny_t2v: audio_guidance_scale=0 falls back to the
+# video scale (upstream's `or`); tiny23_t2v: CFG on through the audio scale alone (video scale 1)
+_T2V = {"height": 64, "width": 96, "num_frames": 9, "frame_rate": 24.0, "num_inference_steps": 3,
+        "guidance_scale": 3.0, "audio_guidance_scale": 0.0, "guidance_rescale": 0.7, "audio_guidance_rescale": 0.7,
+        "seed": 7}
+_NOCFG = {"height": 32, "width": 64, "num_frames": 17, "frame_rate": 25.0, "num_inference_steps": 2,
+          "guidance_scale": 1.0, "audio_guidance_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_rescale": 0.0,
+          "seed": 3}
+_T2V23 = {"height": 64, "width": 64, "num_frames": 9, "frame_rate": 24.0, "num_inference_steps": 2,
+          "guidance_scale": 1.0, "audio_guidance_scale": 4.0, "guidance_rescale": 0.0, "audio_guidance_rescale": None,
+          "seed": 11}
+CASES = (("tiny_t2v", "tiny", "tiny", _T2V), ("tiny_t2v_nocfg", "tiny", "tiny", _NOCFG),
+         ("tiny23_t2v", "tiny-2.3", "tiny-2.3", _T2V23))
 TEXT_LEN, TEXT_LAYERS = 8, 3     # connectors' text_proj_in_factor = Gemma layers + 1
 
 
