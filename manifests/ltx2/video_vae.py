@@ -120,9 +120,12 @@ class Ltx2VideoVaeConfig:
             if c_in != c_out:   # upstream's conv_in resnet there gets the raw timestep or the wrong width
                 raise ManifestError(f"ltx2 video vae: an up block from {c_in} to {c_out} channels is not ported")
         ch = self.decoder_mid_channels
-        for c_in, c_out, _, stride, _, factor in self.decoder_blocks():
+        for i, (c_in, c_out, _, stride, residual, factor) in enumerate(self.decoder_blocks()):
             if stride is None and ch != c_out:
                 raise ManifestError("ltx2 video vae: an up block without upsampler must keep its width")
+            if stride is not None and residual and (c_out * factor) % (stride[0] * stride[1] * stride[2]):
+                raise ManifestError(f"ltx2 video vae: up block {i}'s residual splits {c_out * factor} channels by "
+                                    f"its stride {stride} (upstream fails on it)")
             ch = c_out
         for c_in, c_out, _, stride in self.encoder_blocks():
             if stride is None and c_in != c_out:

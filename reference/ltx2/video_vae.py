@@ -136,10 +136,9 @@ class Ltx2VideoVae(nn.Module):
             x = resnet(enc.mid_block.resnets[j], x, None, causal, pad)
         record("encoder.mid_block", x)
         x = causal_conv(enc.conv_out.conv, F.silu(rms_norm_channels(x)), causal, pad)   # [B, L + 1, ...]
+        record("encoder.conv_out", x)
         # L means and one log-variance channel, repeated to L channels
-        moments = torch.cat([x, x[:, -1:].repeat(1, x.shape[1] - 2, 1, 1, 1)], dim=1)
-        record("encoder.conv_out", moments)
-        return moments
+        return torch.cat([x, x[:, -1:].repeat(1, x.shape[1] - 2, 1, 1, 1)], dim=1)
 
     # ---- decode ----
     def decode(self, z: torch.Tensor, timestep: torch.Tensor | None = None, causal: bool | None = None,

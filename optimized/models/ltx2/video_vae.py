@@ -108,9 +108,8 @@ class FastLtx2VideoVae:
             x = self._resnet(f"encoder.mid_block.resnets.{j}", x, None, causal, pad)
         emit("encoder.mid_block", x)
         x = _conv(self.p, "encoder.conv_out.conv", F.silu(_norm_mod(x)), causal, pad)
-        x = torch.cat([x, x[:, -1:].expand(-1, c.latent_channels - 1, -1, -1, -1)], dim=1)
         emit("encoder.conv_out", x)
-        return x
+        return torch.cat([x, x[:, -1:].expand(-1, c.latent_channels - 1, -1, -1, -1)], dim=1)
 
     # ---- decode ----
     def decode(self, z: torch.Tensor, timestep: torch.Tensor | None = None, causal: bool | None = None,

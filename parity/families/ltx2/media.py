@@ -15,9 +15,15 @@ import torch
 
 import optimized.models.ltx2.video_vae as opt_vae
 import reference.ltx2.video_vae as ref_vae
-from manifests.ltx2.video_vae import VIDEO_VAE_GAINS, load_video_vae_variant, video_vae_key_shapes
+from manifests.errors import ManifestError
+from manifests.ltx2.video_vae import (VIDEO_VAE_GAINS, Ltx2VideoVaeConfig, load_video_vae_variant,
+                                      video_vae_key_shapes)
+from parity.errors import SetupError
+from parity.family import golden_probe
+from parity.golden import intermediate_checks, read_diffusers_dir
+from parity.localise import TraceRecorder
 from parity.port.kit import PortedSides
-from parity.report import Report
+from parity.report import Report, exceptions_fail, tensor_check
 
 
 def video_decode_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
@@ -75,7 +81,6 @@ def run_media_c0(variants: list[str] | None, checkpoint: str | None, device: str
         planted = None
         if fault is not None:
             if fault not in MEDIA_FAULTS:
-                from parity.errors import SetupError
                 raise SetupError(f"unknown ltx2 media fault {fault!r}; faults: {', '.join(sorted(MEDIA_FAULTS))}")
             if MEDIA_FAULTS[fault][0] != forward:
                 continue
@@ -86,3 +91,41 @@ def run_media_c0(variants: list[str] | None, checkpoint: str | None, device: str
             check.name = f"{forward}/{check.name}"
             report.checks.append(check)
     return report
+
+
+# ---- golden ----
+
+VIDEO_VAE_LOADERS = {"reference": ref_vae.load_video_vae, "optimized": opt_vae.load_video_vae}
+
+
+@golden_probe(required=("latent_mean", "latent_std", "video", "normalized", "denormalized"),
+              optional=("latent_mean@*", "video@*"))
+def video_vae_probe(case, sides: tuple[str, ...]):
+    """A case of tools/make_ltx2_media_goldens.py: the case's own AutoencoderKLLTX2Video config and weights
+    (diffusers names = canonical), the posterior of `video`, the decode of `z` [at `timestep`], and the pipeline's
+    latent (de)normalisation; every encoder / decoder block output against upstream's."""
+    config, state = read_diffusers_dir(case)
+    try:
+        cfg = Ltx2VideoVaeConfig.from_diffusers_config(config)
+    except ManifestError as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+    tol = case.tolerance
+    checks = []
+    for side in sides:
+        with exceptions_fail(checks, f"{case.name}/{side}:video"):
+            vae = VIDEO_VAE_LOADERS[side](cfg, state)
+            enc_trace, dec_trace = TraceRecorder(), TraceRecorder()
+            moments = vae.encode(case.inputs["video"], trace=enc_trace)
+            mean = vae.latent_mean(moments)
+            logvar = moments[:, cfg.latent_channels:].clamp(-30.0, 20.0)   # DiagonalGaussianDistribution's clamp
+            video = vae.decode(case.inputs["z"], case.inputs.get("timestep"), trace=dec_trace)
+            for name, got in (("latent_mean", mean), ("latent_std", torch.exp(0.5 * logvar)), ("video", video),
+                              ("normalized", vae.normalize(mean)),
+                              ("denormalized", vae.denormalize(case.inputs["z"]))):
+                checks.append(tensor_check(f"{case.name}/{side}:{name}", got, case.outputs[name], tol))
+            checks += intermediate_checks(case, side, "latent_mean", enc_trace.records, tol)
+            checks += intermediate_checks(case, side, "video", dec_trace.records, tol)
+    return checks
+
+
+MEDIA_GOLDEN_PROBES = {"ltx2.video_vae": video_vae_probe}

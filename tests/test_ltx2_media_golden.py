@@ -1,0 +1,83 @@
+"""ltx2 media goldens (tools/make_ltx2_media_goldens.py, diffusers 0.42.1 AutoencoderKLLTX2Video): both sides
+reproduce upstream's posterior, decode (plain and timestep-conditioned), latent (de)normalisation and every block
+output; a weight planted wrong in one block fails the case naming that block; and, with diffusers installed, the
+kit's variants and key shapes equal upstream's constructor and the sides equal upstream live."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.families.ltx2.media import VIDEO_VAE_LOADERS, video_vae_probe
+from parity.golden import load_case, run_probe
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "ltx2_media"
+VIDEO_CASES = ("video_vae_tiny", "video_vae_tc")
+
+
+@pytest.mark.parametrize("name", VIDEO_CASES)
+def test_video_vae_golden_passes_both_sides(name):
+    checks = run_probe(video_vae_probe, load_case(GOLDEN / name), ("reference", "optimized"))
+    assert checks and all(c.passed for c in checks), [(c.name, c.detail) for c in checks if not c.passed]
+    names = {c.name for c in checks}
+    for side in ("reference", "optimized"):
+        for out in ("latent_mean", "latent_std", "video", "normalized", "denormalized",
+                    "latent_mean@intermediates", "video@intermediates"):
+            assert f"{name}/{side}:{out}" in names
+
+
+@pytest.mark.parametrize("side", ["reference", "optimized"])
+@pytest.mark.parametrize("key, module", [
+    ("decoder.up_blocks.1.resnets.0.conv1.conv.weight", "decoder.up_blocks.1"),
+    ("encoder.down_blocks.0.downsamplers.0.conv.conv.weight", "encoder.down_blocks.0"),
+    ("decoder.mid_block.time_embedder.timestep_embedder.linear_1.weight", "decoder.mid_block"),
+])
+def test_a_planted_weight_fails_the_golden_naming_its_block(side, key, module, monkeypatch):
+    """The negative control: one weight scaled on one side after loading; the case fails on that side only and
+    the intermediates row names the block (upstream module name)."""
+    real = VIDEO_VAE_LOADERS[side]
+
+    def planted(cfg, state, *a, **kw):
+        return real(cfg, {**state, key: state[key] * 1.5}, *a, **kw)
+
+    monkeypatch.setitem(VIDEO_VAE_LOADERS, side, planted)
+    checks = run_probe(video_vae_probe, load_case(GOLDEN / "video_vae_tc"), ("reference", "optimized"))
+    failed = [c for c in checks if not c.passed]
+    assert failed and all(f"/{side}:" in c.name for c in failed)
+    rows = [c for c in failed if c.name.endswith("@intermediates")]
+    assert rows and rows[0].divergence == module, [(c.name, c.divergence) for c in failed]
+
+
+@pytest.mark.upstream
+@pytest.mark.parametrize("variant", ["tiny", "tiny-tc", "upstream-default"])
+def test_variants_and_key_shapes_equal_upstream(variant):
+    diffusers = pytest.importorskip("diffusers")
+    from manifests.ltx2.video_vae import load_video_vae_variant, video_vae_key_shapes
+    cfg = load_video_vae_variant(variant)
+    with torch.device("meta"):
+        up = diffusers.AutoencoderKLLTX2Video(**cfg.to_dict())
+    assert {k: tuple(v.shape) for k, v in up.state_dict().items()} == video_vae_key_shapes(cfg)
+    if variant == "upstream-default":   # upstream's attribute counts every scaled block as spatial and temporal
+        assert (cfg.spatial_ratio, cfg.temporal_ratio) == (32, 8) != (up.spatial_compression_ratio,
+                                                                       up.temporal_compression_ratio)
+
+
+@pytest.mark.upstream
+@pytest.mark.parametrize("variant", ["tiny", "tiny-tc"])
+def test_both_sides_equal_upstream_live(variant):
+    diffusers = pytest.importorskip("diffusers")
+    from manifests.ltx2.video_vae import load_video_vae_variant
+    cfg = load_video_vae_variant(variant)
+    torch.manual_seed(3)
+    up = diffusers.AutoencoderKLLTX2Video(**cfg.to_dict()).eval()
+    state = {k: v.detach().clone() for k, v in up.state_dict().items()}
+    g = torch.Generator().manual_seed(4)
+    video = torch.rand(1, 3, 5, 16, 16, generator=g) * 2 - 1
+    z = torch.randn(1, cfg.latent_channels, 2, 2, 2, generator=g)
+    t = torch.tensor([0.2]) if cfg.timestep_conditioning else None
+    with torch.no_grad():
+        want_mean, want_video = up.encode(video).latent_dist.mean, up.decode(z, t).sample
+        for side, load in VIDEO_VAE_LOADERS.items():
+            vae = load(cfg, state)
+            torch.testing.assert_close(vae.latent_mean(vae.encode(video)), want_mean, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(vae.decode(z, t), want_video, rtol=1e-4, atol=1e-5)
