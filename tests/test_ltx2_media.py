@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from manifests.errors import ManifestError
-from manifests.ltx2.video_vae import (VARIANTS, VIDEO_VAE_GAINS, Ltx2VideoVaeConfig, load_video_vae_variant,
-                                      video_vae_key_shapes)
+from manifests.ltx2.video_vae import (
+    VARIANTS,
+    VIDEO_VAE_GAINS,
+    load_video_vae_variant,
+    video_vae_key_shapes,
+)
 from optimized.models.ltx2 import video_vae as opt_vae
 from parity.families.ltx2.media import MEDIA_FAULTS, run_media_c0
 from parity.port.kit import gain_init
@@ -74,7 +78,7 @@ def test_timestep_conditioned_decoder_needs_a_timestep_and_uses_it():
 
 
 def test_encoder_moments_are_mean_then_one_repeated_logvar():
-    cfg, ref, opt = _both("tiny")
+    cfg, _, opt = _both("tiny")
     video = torch.rand(1, 3, 5, 16, 16) * 2 - 1
     with torch.no_grad():
         m = opt.encode(video)
@@ -84,10 +88,10 @@ def test_encoder_moments_are_mean_then_one_repeated_logvar():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(patch_size_t=2), "patch_size_t"),
-    (dict(decoder_inject_noise=(True, False, False)), "inject_noise"),
-    (dict(downsample_type=("conv", "spatiotemporal")), "conv"),
-    (dict(layers_per_block=(1, 1)), "layers_per_block"),
+    ({"patch_size_t": 2}, "patch_size_t"),
+    ({"decoder_inject_noise": (True, False, False)}, "inject_noise"),
+    ({"downsample_type": ("conv", "spatiotemporal")}, "conv"),
+    ({"layers_per_block": (1, 1)}, "layers_per_block"),
 ])
 def test_unported_or_malformed_configs_are_refused_by_name(change, message):
     import dataclasses

@@ -77,7 +77,7 @@ def test_both_sides_equal_upstream_live(variant):
     t = torch.tensor([0.2]) if cfg.timestep_conditioning else None
     with torch.no_grad():
         want_mean, want_video = up.encode(video).latent_dist.mean, up.decode(z, t).sample
-        for side, load in VIDEO_VAE_LOADERS.items():
+        for load in VIDEO_VAE_LOADERS.values():
             vae = load(cfg, state)
             torch.testing.assert_close(vae.latent_mean(vae.encode(video)), want_mean, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(vae.decode(z, t), want_video, rtol=1e-4, atol=1e-5)

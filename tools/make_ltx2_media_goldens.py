@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # tiny: non-causal reflect decoder, a residual and a plain upsampler; tc: the timestep-conditioned causal decoder,
 # every stride kind. Channels <= 8 keeps each case well under 0.2 MB.
-BASE = dict(in_channels=3, out_channels=3, latent_channels=4, patch_size=2, patch_size_t=1, resnet_norm_eps=1e-6,
-            encoder_causal=True, encoder_spatial_padding_mode="zeros", decoder_spatial_padding_mode="reflect")
+BASE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "patch_size": 2, "patch_size_t": 1,
+        "resnet_norm_eps": 1e-6, "encoder_causal": True, "encoder_spatial_padding_mode": "zeros",
+        "decoder_spatial_padding_mode": "reflect"}
 CASES = {
     "video_vae_tiny": dict(
         BASE, block_out_channels=[8, 8], down_block_types=["LTX2VideoDownBlock3D"] * 2, layers_per_block=[1, 1, 1],

@@ -11,7 +11,11 @@ import math
 import torch
 from torch.nn import functional as F
 
-from manifests.ltx2.video_vae import TIMESTEP_PROJ_DIM, Ltx2VideoVaeConfig, video_vae_key_shapes
+from manifests.ltx2.video_vae import (
+    TIMESTEP_PROJ_DIM,
+    Ltx2VideoVaeConfig,
+    video_vae_key_shapes,
+)
 from optimized.runtime.spec import ComponentSpec, LoadTransform, apply_load_transforms
 
 _EPS = 1e-8

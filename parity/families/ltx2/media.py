@@ -9,15 +9,20 @@ then tests and `run_media_c0` call them directly.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import optimized.models.ltx2.video_vae as opt_vae
 import reference.ltx2.video_vae as ref_vae
 from manifests.errors import ManifestError
-from manifests.ltx2.video_vae import (VIDEO_VAE_GAINS, Ltx2VideoVaeConfig, load_video_vae_variant,
-                                      video_vae_key_shapes)
+from manifests.ltx2.video_vae import (
+    VIDEO_VAE_GAINS,
+    Ltx2VideoVaeConfig,
+    load_video_vae_variant,
+    video_vae_key_shapes,
+)
 from parity.errors import SetupError
 from parity.family import golden_probe
 from parity.golden import intermediate_checks, read_diffusers_dir
