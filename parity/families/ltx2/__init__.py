@@ -11,6 +11,7 @@ from manifests.ltx2.keys import GAINS
 from parity.families.ltx2.c1 import FAULTS as C1_FAULTS
 from parity.families.ltx2.c1 import run_c1
 from parity.families.ltx2.inputs import make_inputs
+from parity.families.ltx2.media import MEDIA_FAULTS, run_media_c0
 from parity.families.ltx2.pipeline_golden import pipeline_probe
 from parity.family import Fault, ParityFamily
 from parity.port.kit import PortedSides
@@ -26,6 +27,17 @@ SIDES = PortedSides(family="ltx2", load_variant=load_variant, key_shapes=key_sha
                                    "transformer_blocks.1.audio_to_video_attn")))
 
 
+def run_c0(variants, checkpoint, device, dtypes, seed, fault, progress, **kw):
+    """Transformer C0, plus the media components' C0 (ltxmedia's parity/families/ltx2/media.py) on a default run;
+    a media fault is planted in the media run alone."""
+    if fault is not None and fault in MEDIA_FAULTS:
+        return run_media_c0(None, None, device, dtypes, seed, fault, progress)
+    report = SIDES.run_c0(variants, checkpoint, device, dtypes, seed, fault, progress, **kw)
+    if checkpoint is None and not variants:
+        report.checks += run_media_c0(None, None, device, dtypes, seed, None, progress).checks
+    return report
+
+
 def check_converted(out_dir) -> dict:
     """fvconvert's post-check: C0 on the converted weights."""
     return SIDES.check_converted(out_dir)
@@ -34,9 +46,11 @@ def check_converted(out_dir) -> dict:
 FAMILY = ParityFamily(
     name="ltx2",
     description="LTX2VideoTransformer3DModel (diffusers:LTX2VideoTransformer3DModel), ported with fvparity port new",
-    levels={"C0": SIDES.run_c0, "C1": run_c1}, variants=list_variants, default_variants=SIDES.default_variants,
+    levels={"C0": run_c0, "C1": run_c1}, variants=list_variants, default_variants=SIDES.default_variants,
     faults=tuple(Fault(name, f"{key} scaled on the optimized side", "C0", layer)
                  for name, (key, layer) in SIDES.faults.items())
+    + tuple(Fault(name, f"{key} scaled on the optimized side", "C0", layer)
+            for name, (_, key, layer) in MEDIA_FAULTS.items())
     + tuple(Fault(name, "the optimized LTX2Pipeline loop planted with " + name[3:].replace("-", " "), "C1", step)
             for name, step in C1_FAULTS.items()),
     golden_probes={"ltx2.forward": SIDES.golden_probe(), "ltx2.pipeline": pipeline_probe}, check_converted=check_converted)
