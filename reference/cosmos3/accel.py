@@ -29,7 +29,12 @@ import torch
 from manifests.accel import AccelDecision, AccelSpec, AccelSpecError
 from manifests.accel.caches import mag_ratios
 from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
-from reference.cosmos3.model import Cosmos3Transformer, apply_rope, attention, mrope_cos_sin
+from reference.cosmos3.model import (
+    Cosmos3Transformer,
+    apply_rope,
+    attention,
+    mrope_cos_sin,
+)
 from reference.cosmos3.packing import pack_sample
 
 _FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

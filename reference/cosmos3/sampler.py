@@ -110,7 +110,9 @@ def guided_velocity(model: Cosmos3Transformer, cfg: Cosmos3Config, req: Cosmos3G
                     caches: dict[str, BranchCache] | None = None, step: int = 0, decisions: list | None = None):
     """[vision, sound, action] velocities (None where absent) of one step: cond, and with CFG the uncond branch
     combined in velocity space, fp32, one scale for every modality. `caches`: request.accel's cache per branch."""
-    on = lambda branch: {} if caches is None else {"cache": caches[branch], "step": step, "decisions": decisions}  # noqa: E731
+    def on(branch: str) -> dict:
+        return {} if caches is None else {"cache": caches[branch], "step": step, "decisions": decisions}
+
     v_c = predict_velocity(model, cfg, req, req.text_ids, t, *state, **on("cond"))
     if not req.uses_cfg:
         return list(v_c)
