@@ -42,7 +42,7 @@ class SlowWorker:
         return StageOutput(f"video:{call.payload['latent']}", 0.0, bytes_moved=8)
 
 
-def make_worker(role, delay=0.0):
+def make_worker(role, replica_id=None, delay=0.0):
     return SlowWorker(role, delay)
 
 

@@ -3,9 +3,11 @@
 that dies mid-request is failed over, the video written once; with no denoiser left the video fails, one clear
 error. (The same against a local Ray cluster: tests/test_fleet_ray_serve.py, slow.)"""
 
+import dataclasses
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -207,23 +209,39 @@ def test_transport_not_wired_to_the_backend_is_refused():
         FleetGateway.start(dataclasses.replace(spec(), transport="shared_memory"))
 
 
-def test_negative_control_a_dtype_cast_in_transit_changes_the_video(fleet, colocated):
-    """The comparison has power: latents cast to bf16 between the denoiser and the decoder give another video."""
-    import dataclasses
-
-    import torch
-    client, gw = fleet
+def _tamper_decoder_input(gw, fn):
+    """Run the decoder's stage on tensors changed in transit by fn(name, tensor)."""
     st = gw.router.states["decoder"]["decoder-0"]
     real = st.replica.run_stage
 
-    def cast_in_transit(call):
-        lat = {k: v.to(torch.bfloat16).to(v.dtype) for k, v in call.payload.latents.items()}
-        return real(dataclasses.replace(call, payload=dataclasses.replace(call.payload, latents=lat)))
-    st.replica.run_stage = cast_in_transit
+    def in_transit(call):
+        manifest, tensors = call.payload
+        return real(dataclasses.replace(call, payload=(manifest, {n: fn(n, t) for n, t in tensors.items()})))
+    st.replica.run_stage = in_transit
+    return lambda: delattr(st.replica, "run_stage")
+
+
+def test_negative_control_a_dtype_cast_in_transit_fails_naming_the_manifest_field(fleet):
+    client, gw = fleet
+    undo = _tamper_decoder_input(gw, lambda n, t: t.to(torch.bfloat16) if n.endswith("latents.vision") else t)
     try:
         done = make(client)
     finally:
-        del st.replica.run_stage
+        undo()
+    assert done["status"] == "failed"
+    assert "entries[denoise.latents.vision].dtype: declared torch.float32, received torch.bfloat16" in \
+        done["error"]["message"]
+
+
+def test_negative_control_values_rounded_in_transit_change_the_video(fleet, colocated):
+    """The bitwise comparison has power where the manifest cannot see: latents rounded through bf16 (dtype, shape
+    and bytes as declared) give another video."""
+    client, gw = fleet
+    undo = _tamper_decoder_input(gw, lambda n, t: t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t)
+    try:
+        done = make(client)
+    finally:
+        undo()
     assert done["status"] == "completed"
     assert contents(client, done["id"])["thumbnail"] != colocated["thumbnail"]
 

@@ -7,9 +7,10 @@ scheduler), reserved in one placement group, driven by the fleet router (optiona
     pools.shutdown()                                       # actors killed, placement group removed, ray stopped
                                                            # (when this process started it)
 
-Each actor is `ReplicaActor(replica_id, role, worker_factory)`: `worker_factory(role)` builds the role's worker in
-the actor's process (`fleet_server.role_worker_factory`: fleetcore's RoleWorker for the role, or anything with
-`run_stage(call) -> StageOutput` and `resident()`). Actors are threaded (max_concurrency 2) so a health probe answers
+Each actor is `ReplicaActor(replica_id, role, worker_factory)`: `worker_factory(role, replica_id)` builds the role's
+worker in the actor's process (`fleet_server.make_stage_worker`: fleetcore's role body `RoleEngine` for the role, or
+anything with `run_stage(call) -> StageOutput` and `resident()`); the actor is the replica's process, so the body
+runs in it directly (not in a second spawned `RoleWorker` process). Actors are threaded (max_concurrency 2) so a health probe answers
 while a stage runs; stage calls are serialised on a lock (one role worker, one scheduler). A call whose actor
 process is gone (`RayActorError`, killed or crashed) or that does not answer within `stage_timeout_s`
 (`GetTimeoutError`; the actor is then killed, so a late answer can never arrive) is `ReplicaDied` for the router,
@@ -50,7 +51,7 @@ class ReplicaActor:
 
     def __init__(self, replica_id: str, role: str, worker_factory: Callable[[str], Any]):
         self.replica_id, self.role = replica_id, role
-        self.worker = worker_factory(role)
+        self.worker = worker_factory(role, replica_id)
         self.lock = threading.Lock()
         self.inflight = 0
         self.completed = 0

@@ -10,14 +10,16 @@ processors, the admission bounds, the media chain's fps, the card) and never run
 replicas the router picks, failover from the last completed stage when a replica dies; the gateway assembles the
 `VideoResult` and the AsyncHandle writes its artifacts once, as for a co-located request.
 
-Stages (`EngineStageWorker`, one per replica, each with its own resident Engine and scheduler) are the co-located
-VideoProgram's, cut at its boundaries and named by role: encoder = the media chain's image encode + conditioning
-(a pass-through for a request without an image; its output cached by the image's content hash), denoiser = the
-family's denoise loop (text encoding included, through the text encoder's content-hash CacheStore on that replica),
-decoder = the chunked VAE decode (+ the sound decoder). Same kernels, same inputs, same order: the fleet's video is
-bitwise the co-located engine's on CPU fp32 (tests/test_fleet_router_serve.py in-process, test_fleet_ray_serve.py
-on Ray). Affinity: a replica reports the input hashes of its CacheStores' entries; a request's prompt
-(`text_ids:<sha256>`) goes to the denoiser already holding its embedding, unless that one is far behind (cost).
+Stages: each replica runs fleetcore's role body (`optimized.fleet.roles.RoleEngine`, the split of
+`optimized/fleet/stages.py`) on its own resident Engine and scheduler: encoder = admission + the media chain's
+image encode and conditioning, denoiser = the family's denoise loop (text encoding included, through the text
+encoder's content-hash CacheStore on that replica), decoder = the chunked VAE decode (+ the sound decoder). State
+crosses as TransferManifest + tensors (`transfer.pack` / `unpack`: every tensor checked against its entry, a cast or
+a dropped chunk in transit is a TransferError naming the field). Same kernels, same inputs, same order: the fleet's
+video is bitwise the co-located engine's on CPU fp32 (tests/test_fleet_router_serve.py, test_fleet_router_families.py
+in-process, test_fleet_ray_serve.py on Ray). Affinity: a replica reports its cached stage outputs' keys and the
+input hashes of its CacheStores' entries; a request's prompt (`text_ids:<sha256>`) goes to the denoiser already
+holding its embedding, unless that one is far behind (cost).
 Cancellation lands at the next stage boundary (inside a stage the replica's scheduler owns the step boundaries).
 Progress: each replica counts its running stage's steps (its loop's trace.step events); the health probes read the
 count and the gateway announces each step once as a `progress` event (as fine-grained as health_interval_s), plus
@@ -33,7 +35,6 @@ import os
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from optimized.fleet.deployment import ROLES, DeploymentError, DeploymentSpec, ModelSource, load_deployment
+from optimized.fleet.transfer import pack, unpack
 from optimized.fleet.router import (FleetRequestFailed, RequestCancelled, Router, StageCall, StageCostModel,
                                     StageError, StageOutput, StagePlan)
 
@@ -49,120 +51,61 @@ STAGE_OF_ROLE = {"encoder": "encode", "denoiser": "denoise", "decoder": "decode"
 
 
 # ================================================================================ the replica side (one per actor)
-@dataclass(frozen=True)
-class EncoderInput:
-    request: Any
-    image: Any = None
-
-
-@dataclass(frozen=True)
-class DenoiserInput:
-    request: Any                     # conditioned by the encoder when the request had an image
-
-
-@dataclass(frozen=True)
-class DecoderInput:
-    latents: dict                    # the denoise loop's final latents by modality
-
-
-@dataclass(frozen=True)
-class DecodedVideo:
-    frames: Any                      # uint8 [F, H, W, 3]
-    audio: Any
-
-
-def payload_bytes(obj: Any) -> int:
-    """Tensor bytes a stage payload carries (what crosses the transport)."""
-    import dataclasses
-
-    import torch
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return sum(payload_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    if isinstance(obj, dict):
-        return sum(payload_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_bytes(v) for v in obj)
-    return 0
-
-
 def load_model(model: ModelSource) -> Any:
-    """The Engine a replica (or the gateway) holds for `model`."""
+    """The Engine the gateway holds for `model` (to build and admit requests; it never runs a stage)."""
     from optimized.serving.loading import load_engine
     return load_engine(model.family, model.path, model.variant, model.device, model.dtype, "none",
                        model.seed_weights)
 
 
-def _run_on(engine: Any, kernel: Any, loop_request: Any, rid: str) -> Any:
-    """One loop request on the replica's own scheduler, to completion."""
-    sched = engine.scheduler
-    rec = sched.submit(kernel, loop_request, rid)
-    sched.run_until(lambda: rec.status not in ("waiting", "running"))
-    if rec.status != "completed":
-        err = next((e.data.get("error") for e in reversed(rec.events) if e.data.get("error")), rec.status)
-        sched.forget(rid)
-        raise RuntimeError(f"{rid} {rec.status}: {err}")
-    return sched.take_result(rid)
+CACHE_ENTRIES = {"encoder": 64, "denoiser": 16, "decoder": 0}   # stage outputs a replica keeps by input content key
 
 
-class EngineStageWorker:
-    """One role of the video program on this replica's own Engine (loaded here, in the replica's process)."""
+class RoleEngineWorker:
+    """fleetcore's role body (`optimized.fleet.roles.RoleEngine`: the role's stage on its own resident Engine and
+    scheduler, TransferManifest + tensors in and out, checked against the manifest) as one replica's worker, in
+    the replica's process; it counts its running stage's steps for the health probes."""
 
-    def __init__(self, role: str, model: ModelSource, cache_entries: int = 64):
-        from optimized.serving.families import media_chain
-        self.role, self.engine = role, load_model(model)
-        self.media = media_chain(self.engine)
-        self.cache: OrderedDict[str, Any] = OrderedDict()   # encoder: image content hash -> encode result
-        self.cache_entries = cache_entries
-        self.stores = cache_stores(self.engine.model)       # the model's own caches (e.g. text embeddings)
+    def __init__(self, role: str, model: ModelSource, replica_id: str | None = None):
+        from optimized.fleet.roles import RoleEngine, RoleSpec
+        family, variant = model.family, model.variant
+        if variant is not None and ":" in variant:
+            family, variant = variant.split(":", 1)
+        index = int(replica_id.rsplit("-", 1)[1]) if replica_id else 0
+        self.body = RoleEngine(RoleSpec(role, family, variant=variant, model_dir=model.path, seed=model.seed_weights,
+                                        device=model.device, dtype=model.dtype, replica=index,
+                                        cache_entries=CACHE_ENTRIES[role]))
+        self.stores = cache_stores(self.body.engine.model)  # the model's own caches (e.g. text embeddings)
         self.steps_done = 0                                 # steps of the running stage (read by health probes)
-        self.engine.subscribe(self._on_step, prefix="trace.step")
+        self.body.engine.subscribe(self._on_step, prefix="trace.step")
 
     def _on_step(self, ev: Any) -> None:
         self.steps_done = int(ev.data.get("step", 0)) + 1
 
     def resident(self) -> tuple[str, ...]:
-        """Affinity keys of what this replica holds: the encoder's image encodes, and "NAME:HASH" for every input
-        hash of every entry in the model's CacheStores (a text-embedding entry: "text_ids:<sha256>")."""
-        held = dict.fromkeys(self.cache)
+        """Affinity keys of what this replica holds: its cached stage outputs (input content keys), and "NAME:HASH"
+        for every input hash of every entry in the model's CacheStores (a text embedding: "text_ids:<sha256>")."""
+        held = dict.fromkeys(self.body.resident())
         for store in self.stores:
             for key in store.keys():
                 held.update(dict.fromkeys(f"{name}:{h}" for name, h in key.input_hashes))
         return tuple(held)
 
     def run_stage(self, call: StageCall) -> StageOutput:
-        rid = f"{call.request_id}/{STAGE_OF_ROLE[call.role]}#{call.attempt}"
-        p, hit = call.payload, False
+        import dataclasses
+
+        from optimized.fleet.roles import input_key
+        manifest, tensors = call.payload
+        if self.body.spec.cache_entries > 0:
+            # this stage's input key, from what arrived (a producer stamps its own input's key on its output, as
+            # provenance; RoleEngine reads the field as the key of the input it serves): a resident entry serves the
+            # call only if it was made for exactly these tensors
+            manifest = dataclasses.replace(manifest, cache_key=input_key(manifest, tensors,
+                                                                          self.body.weights_version))
+        hit = call.cache_key is not None and call.cache_key in self.resident()
         self.steps_done = 0
-        if call.role == "encoder":
-            req = p.request
-            if p.image is not None and self.media.encode_kernel is not None:
-                hit = call.cache_key is not None and call.cache_key in self.cache
-                if hit:
-                    encoded = self.cache[call.cache_key]
-                    self.cache.move_to_end(call.cache_key)
-                else:
-                    encoded = _run_on(self.engine, self.media.encode_kernel,
-                                      self.media.encode_request(rid, p.image, req), rid)
-                    if call.cache_key is not None:
-                        self.cache[call.cache_key] = encoded
-                        while len(self.cache) > self.cache_entries:
-                            self.cache.popitem(last=False)
-                req = self.media.condition(req, encoded)
-            out: Any = DenoiserInput(req)
-        elif call.role == "denoiser":
-            hit = call.cache_key is not None and call.cache_key in self.resident()
-            entry = self.engine.family
-            loop = entry.loop_for(p.request)
-            result = _run_on(self.engine, self.engine.loop(loop), entry.make_job(loop, p.request), rid)
-            out = DecoderInput(result["latents"])
-        else:
-            from optimized.runtime.artifacts import to_uint8_frames
-            video = _run_on(self.engine, self.media.decode_kernel,
-                            self.media.decode_request(rid, p.latents["vision"]), rid)
-            out = DecodedVideo(to_uint8_frames(video), self.media.decode_audio(p.latents))
-        return StageOutput(out, 0.0, cache_hit=hit, bytes_moved=payload_bytes(out))
+        out_manifest, out_tensors, served = self.body.run_stage(manifest, tensors)
+        return StageOutput((out_manifest, out_tensors), 0.0, cache_hit=hit or served, bytes_moved=out_manifest.nbytes)
 
 
 def cache_stores(obj: Any, seen: set | None = None, depth: int = 0) -> list[Any]:
@@ -183,8 +126,8 @@ def cache_stores(obj: Any, seen: set | None = None, depth: int = 0) -> list[Any]
     return []
 
 
-def make_stage_worker(model: ModelSource, role: str) -> EngineStageWorker:
-    return EngineStageWorker(role, model)
+def make_stage_worker(model: ModelSource, role: str, replica_id: str | None = None) -> RoleEngineWorker:
+    return RoleEngineWorker(role, model, replica_id)
 
 
 # ==================================================================================== the gateway side
@@ -299,7 +242,9 @@ class FleetProgram:
         t0 = time.perf_counter()
         plans = stage_plans(self.request, self.image, getattr(self.engine.model, "weights_version", None))
         try:
-            self.gateway.router.run(self.id, EncoderInput(self.request, self.image), plans, finish=self._result,
+            first = pack({"request": self.request, "image": self.image}, request_id=self.id, stage="request",
+                         producer="gateway", consumer="encoder", prefix="request")
+            self.gateway.router.run(self.id, first, plans, finish=self._result,
                                     cancelled=lambda: self._cancel)   # the artifact: self.value (committed once)
         except RequestCancelled:
             return self._end("cancelled")
@@ -310,20 +255,20 @@ class FleetProgram:
         self.value.timings["total"] = time.perf_counter() - t0
         self._end("completed")
 
-    def _result(self, decoded: DecodedVideo) -> Any:
-        """The VideoResult a co-located VideoProgram makes (the router commits it once)."""
+    def _result(self, decoded: tuple) -> Any:
+        """The VideoResult a co-located VideoProgram makes, from the stages' manifests (each checked as it is
+        unpacked); the router commits it once."""
         from optimized.programs import VideoResult
         ledger = self.gateway.router.ledgers[self.id]
         self.ledger = ledger
         media = self.gateway.media
-        conditioned = ledger.outputs["encoder"].request
-        latents = ledger.outputs["denoiser"].latents
+        conditioned = unpack(*ledger.outputs["encoder"])["request"]
+        den, dec = unpack(*ledger.outputs["denoiser"]), unpack(*decoded)
         timings = {STAGE_OF_ROLE[r]: rec.seconds for r, rec in ledger.completed.items()}
         self.value = VideoResult(
-            frames=decoded.frames, audio=decoded.audio, latents=latents, timings=timings, request_id=self.id,
-            seed=getattr(conditioned, "seed", None), weights_version=getattr(self.engine.model, "weights_version",
-                                                                             None),
-            fps=media.fps(conditioned), sample_rate=media.sample_rate, media_weights_version=media.weights_version,
+            frames=dec["frames"], audio=dec["audio"], latents=den["latents"], timings=timings, request_id=self.id,
+            seed=den["seed"], weights_version=getattr(self.engine.model, "weights_version", None),
+            fps=den["fps"], sample_rate=media.sample_rate, media_weights_version=media.weights_version,
             request=conditioned)
         return self.value
 
