@@ -37,7 +37,7 @@ FAULTS = {"drop_last_chunk": "entries[denoise.latents.vision].chunks",
 # tiny cases per served family: (case name, variant, with a conditioning image). The harness names families; the
 # fleet does not.
 CASES = {"wan": (("t2v", "tiny-2.1-t2v", False), ("ti2v", "tiny-2.2-ti2v", True)),
-         "cosmos3": (("t2v", "tiny", False),)}
+         "cosmos3": (("t2v", "tiny", False), ("i2v", "tiny", True))}   # cosmos3 i2v: the encoder role encodes
 CHUNK_BYTES = 128                     # tiny tensors still cross in several chunks (the drop-a-chunk control needs >1)
 
 
@@ -78,7 +78,7 @@ def _requests(engine: Any, image: bool, seeds: tuple[int, ...]) -> list[tuple[An
 
 
 def _case_rows(family: str, level: str, topology: str, case: str, variant: str, image: bool,
-               fault: str | None) -> list[TopologyRow]:
+               fault: str | None, fleet_seed: int = 0) -> list[TopologyRow]:
     from optimized.fleet.roles import LocalFleet
     from optimized.fleet.transfer import TransferError, pack
     from optimized.fleet.transports import FaultyTransport
@@ -90,7 +90,7 @@ def _case_rows(family: str, level: str, topology: str, case: str, variant: str, 
     replicas = 2 if topology == "replicas" or fault == "stale_cache" else 1
     reqs = _requests(engine, image, seeds=(7, 8)[:replicas])
     processes = topology != "inprocess" and fault is None   # faults damage in-process transfers (same code path)
-    fleet = LocalFleet(family, variant, denoisers=replicas, processes=processes,
+    fleet = LocalFleet(family, variant, seed=fleet_seed, denoisers=replicas, processes=processes,
                        transport="shared_memory" if processes else "inprocess", chunk_bytes=CHUNK_BYTES,
                        denoiser_cache_entries=4 if fault == "stale_cache" else 0)
     rows: list[TopologyRow] = []
@@ -163,7 +163,9 @@ def _resident_entries(fleet: Any, replica_id: str) -> list:
 
 
 def run_topology_checks(family: str, level: str, topology: str, *, fault: str | None = None,
-                        cases: tuple[str, ...] | None = None) -> list[TopologyRow]:
+                        cases: tuple[str, ...] | None = None, fleet_seed: int = 0) -> list[TopologyRow]:
+    """Rows for every case of `family` (or `cases`). `fleet_seed` != 0 loads the fleet's roles with other random
+    weights than the co-located engine (seed 0): the harness's own control, every C1 / C4 comparison must fail."""
     if family not in CASES:
         raise ValueError(f"family {family!r}: topology checks cover {', '.join(CASES)} (the families with video "
                          f"serving hooks)")
@@ -177,7 +179,7 @@ def run_topology_checks(family: str, level: str, topology: str, *, fault: str | 
     for case, variant, image in CASES[family]:
         if cases is not None and case not in cases:
             continue
-        rows += _case_rows(family, level, topology, case, variant, image, fault)
+        rows += _case_rows(family, level, topology, case, variant, image, fault, fleet_seed)
         if fault is not None:
             break                     # one case per planted fault
     return rows

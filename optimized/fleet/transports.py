@@ -130,7 +130,6 @@ class SharedMemoryTransport:
                     except FileNotFoundError:
                         raise TransferError("completion_event_id", f"segment {seg} of {name} was already consumed "
                                                                    f"or never sent") from None
-                    _untrack(shm.name)
                     got.append(torch.frombuffer(shm.buf, dtype=torch.uint8, count=n).clone() if n else
                                torch.empty(0, dtype=torch.uint8))
                     shm.close()
@@ -165,9 +164,8 @@ def release(handle: ShmHandle) -> None:
                 shm = shared_memory.SharedMemory(name=seg)
             except FileNotFoundError:
                 continue
-            _untrack(shm.name)
             shm.close()
-            shm.unlink()
+            shm.unlink()              # unlink also unregisters the attach's tracker entry
 
 
 @dataclass(frozen=True)
