@@ -29,8 +29,7 @@ STEPS = 5
 # knobs chosen so that every kind both computes and skips work within 5 steps on random tiny weights
 SPECS = {
     "fbcache": "fbcache:threshold=0.3",
-    "dbcache": "dbcache:fn=1,bn=1,threshold=0.3,warmup=1",
-    "taylorseer": "taylorseer:interval=2,before=1,factors_dtype=float32",
+    "dbcache": "dbcache:fn=2,bn=0,threshold=0.3,warmup=1,max_continuous=1",
     "magcache": "magcache:ratios=1.0/0.99/0.98/0.97/0.96,threshold=0.1,retention=0.2,max_skip=2",
     "guidance_interval": "guidance_interval:start=1,end=3",
 }
@@ -138,12 +137,18 @@ def test_unsupported_kinds_and_setups_refused(tiny):
     loop = FlowDenoiseLoop(load_fast(cfg, weights))
     with pytest.raises(ValueError, match="does not apply to the cosmos3"):
         loop.init_state(sta)
-    too_deep = default_request(cfg, parse_accel("dbcache:fn=3,bn=1"), STEPS, 0)
-    with pytest.raises(ValueError, match="exceeds the DiT's 3 blocks"):
-        loop.init_state(too_deep)
     from reference.cosmos3 import generate, load_transformer
-    with pytest.raises(ValueError, match="exceeds the DiT's 3 blocks"):
-        generate(load_transformer(cfg, weights), too_deep)
+    reference = load_transformer(cfg, weights)
+    too_deep = default_request(cfg, parse_accel("dbcache:fn=4,bn=0"), STEPS, 0)
+    for run in (loop.init_state, lambda r: generate(reference, r)):
+        with pytest.raises(ValueError, match="exceeds the DiT's 3 blocks"):
+            run(too_deep)
+        # upstream TaylorSeer (lite) on cosmos3 predicts the vision head alone and skips no layer
+        with pytest.raises(ValueError, match="taylorseer is refused on cosmos3: .*proj_out"):
+            run(default_request(cfg, parse_accel("taylorseer"), STEPS, 0))
+        # cache-dit would feed the Bn layers a cached text stream
+        with pytest.raises(ValueError, match="dbcache on cosmos3 needs bn=0"):
+            run(default_request(cfg, parse_accel("dbcache:fn=1,bn=1"), STEPS, 0))
     two_forward = FlowDenoiseLoop(load_fast(cfg, weights), "two-forward")
     with pytest.raises(ValueError, match="batched CFG policy"):
         two_forward.init_state(default_request(cfg, parse_accel("fbcache"), STEPS, 0))

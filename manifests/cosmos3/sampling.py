@@ -16,6 +16,12 @@ from manifests.solvers import UniPCConfig  # noqa: F401  (re-exported: the cosmo
 from manifests.solvers import SDEConfig  # noqa: F401  (sde: stochastic rollout steps with logprobs)
 
 ACCEL_LOOP = "cosmos3.denoise"              # the loop id an acceleration's kind must list to apply here
+# kinds listing this loop whose upstream semantics it cannot reproduce on cosmos3, and why (one line each)
+ACCEL_REFUSED = {
+    "taylorseer": "diffusers 0.42.1 TaylorSeer (lite) on Cosmos3OmniTransformer predicts only proj_out (the vision "
+                  "head) and still runs every layer (its block pattern matches no cosmos3 module): nothing to skip, "
+                  "and a whole-output prediction would not be upstream's",
+}
 ACTION_MODES = ("policy", "forward_dynamics", "inverse_dynamics")
 # what a cosmos3 generation may ask for at all (upstream's text encoder pads prompts to 512 tokens)
 BOUNDS = RequestBounds(max_steps=1000, max_abs_guidance=1e4, max_prompt_tokens=512, max_fps=1000.0)
@@ -100,6 +106,12 @@ class Cosmos3GenerateRequest:
                  f"{type(self.accel).__name__}", "accel")
             need(ACCEL_LOOP in self.accel.kind.loops, f"accel {self.accel.name} does not apply to the cosmos3 "
                  f"denoising loop (it applies to: {', '.join(self.accel.kind.loops)})", "accel")
+            need(self.accel.name not in ACCEL_REFUSED, f"accel {self.accel.name} is refused on cosmos3: "
+                 f"{ACCEL_REFUSED.get(self.accel.name)}", "accel")
+            # cache-dit runs the last Bn blocks on its cached (approximate) und stream; this loop's text K/V are exact
+            need(self.accel.name != "dbcache" or self.accel.get("bn") == 0, "accel dbcache on cosmos3 needs bn=0 "
+                 "(cache-dit feeds the last Bn blocks its cached approximation of the text stream; this loop's text "
+                 "keys / values are always exact)", "accel")
         T = self.latent_frames
         need(all(0 <= f < T for f in self.vision_condition_frames),
              f"vision_condition_frames {list(self.vision_condition_frames)} out of range for {T} latent frames")

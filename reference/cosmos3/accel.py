@@ -7,28 +7,27 @@ manifests/accel/caches.py, written out as in reference/wan/accel.py:
 
     fbcache      gen layer 0 always; r = out0 - in0; the other layers run iff no r_prev or
                  mean|r - r_prev| / mean|r_prev| > threshold (then r_prev = r and tail = outL - out0); else
-                 out = tail + out0.
+                 out = tail + out0. (Upstream also adds a tail residual to the und stream; it never reaches a
+                 prediction: only the gen stream is decoded.)
     dbcache      gen layers [0, Fn) always; r = g_Fn - g_0; warmup steps, max_cached, max_continuous and the
-                 accumulated diff can forbid the cache; reuse iff diff < threshold: g = middle + g_Fn; then layers
-                 [L - Bn, L).
-    taylorseer   (lite) the cached output is the decoded prediction, flattened [vision | sound | action] (cosmos3
-                 has three output heads, no single proj_out): full steps store its Taylor factors, others sum them.
+                 accumulated diff can forbid the cache; reuse iff diff < threshold: g = middle + g_Fn. Bn = 0 only
+                 (the request refuses more: cache-dit would feed the last Bn layers a cached text stream).
     magcache     after the retention steps, accumulate ratio and error from the mag_ratios; skip every gen layer
                  while the error and the skipped-step count allow it: out = in + last residual of the whole stack.
     guidance_interval  the uncond branch runs only on steps in [start, end); elsewhere the cond velocity alone.
+
+taylorseer is refused on cosmos3 (manifests/cosmos3/sampling.py ACCEL_REFUSED says why).
 
 Each call returns the branch's prediction (None when the branch does not run) and one AccelDecision.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from manifests.accel import AccelDecision, AccelSpec, AccelSpecError
 from manifests.accel.caches import mag_ratios
-from manifests.cosmos3.io import Cosmos3ForwardInputs, Cosmos3Prediction
+from manifests.cosmos3.io import Cosmos3ForwardInputs
 from reference.cosmos3.model import (
     Cosmos3Transformer,
     apply_rope,
@@ -37,8 +36,7 @@ from reference.cosmos3.model import (
 )
 from reference.cosmos3.packing import pack_sample
 
-_FACTOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-STEP_CACHES = ("fbcache", "dbcache", "taylorseer", "magcache", "guidance_interval")
+HONOURED = ("fbcache", "dbcache", "magcache", "guidance_interval")   # what the cosmos3 loop runs
 
 
 def relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
@@ -54,27 +52,11 @@ def gen_layer(layer, gen: torch.Tensor, text_k: torch.Tensor, text_v: torch.Tens
     return gen + layer.gen.mlp(layer.gen.mlp_norm(gen))
 
 
-def flatten(pred: Cosmos3Prediction) -> torch.Tensor:
-    """[1, M]: vision, sound, action, each flattened (what TaylorSeer stores and predicts)."""
-    return torch.cat([t.reshape(-1) for t in (pred.vision, pred.sound, pred.action) if t is not None])[None]
-
-
-def unflatten(flat: torch.Tensor, like: Cosmos3Prediction) -> Cosmos3Prediction:
-    out, at = [], 0
-    for t in (like.vision, like.sound, like.action):
-        if t is None:
-            out.append(None)
-            continue
-        out.append(flat.reshape(-1)[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return Cosmos3Prediction(vision=out[0], sound=out[1], action=out[2])
-
-
 class BranchCache:
     """The cache of one request's one CFG branch ("cond" or "uncond") for a whole denoising run."""
 
     def __init__(self, spec: AccelSpec, branch: str, num_steps: int, num_layers: int):
-        if spec.name not in STEP_CACHES:
+        if spec.name not in HONOURED:
             raise AccelSpecError(f"accel {spec.name}: not available in the cosmos3 loop")
         self.spec, self.branch, self.num_steps, self.L = spec, branch, num_steps, num_layers
         self.knob = spec.get
@@ -85,9 +67,6 @@ class BranchCache:
         self.first_residual = None     # fbcache / dbcache: residual of the first layers at the last computed step
         self.middle_residual = None    # fbcache / dbcache: what the skipped layers added at the last computed step
         self.stack_residual = None     # magcache: what the whole gen stack added at the last computed step
-        self.factors = None            # taylorseer: {order: tensor}
-        self.template = None           # taylorseer: a prediction of the output shapes
-        self.last_full_step = None     # taylorseer
         self.cached_steps = []         # dbcache
         self.streak = 0                # dbcache: consecutive cached steps
         self.diff_sum = 0.0            # dbcache: accumulated positive diffs
@@ -113,8 +92,6 @@ class BranchCache:
             if self.branch == "uncond" and not inside:
                 return None, AccelDecision(step, self.branch, "skip")
             return model(inp), AccelDecision(step, self.branch, "compute", blocks_computed=(0, self.L))
-        if name == "taylorseer":
-            return self.taylorseer(model, step, inp)
 
         cfg = model.cfg
         inp.validate(cfg)
@@ -206,30 +183,3 @@ class BranchCache:
         out = layers(x0, 0, self.L)
         self.stack_residual = out - x0
         return out, AccelDecision(step, self.branch, "compute", blocks_computed=(0, self.L), metric=metric)
-
-    def taylorseer(self, model, step, inp):
-        before, interval, after = int(self.knob("before")), int(self.knob("interval")), self.knob("after")
-        full = step < before or (step - before - 1) % interval == 0 or (after is not None and step >= int(after))
-        dtype = _FACTOR_DTYPES[str(self.knob("factors_dtype"))]
-        if full:
-            pred = model(inp)
-            out = flatten(pred)
-            self.template = pred
-            factors = {0: out}
-            if self.last_full_step is not None:          # finite differences of the stored (rounded) factors
-                gap = step - self.last_full_step
-                for order in range(int(self.knob("order"))):
-                    if order not in self.factors or self.factors[order].shape != factors[order].shape:
-                        break
-                    factors[order + 1] = (factors[order] - self.factors[order].to(out.dtype)) / gap
-            self.factors = {k: v.to(dtype) for k, v in factors.items()}
-            self.last_full_step = step
-            return pred, AccelDecision(step, self.branch, "compute", blocks_computed=(0, self.L))
-        if self.factors is None:
-            raise ValueError("taylorseer: cannot predict before a full step")
-        out_dtype = model.embed_tokens.weight.dtype
-        gap = step - self.last_full_step
-        out = torch.zeros_like(self.factors[0], dtype=out_dtype)
-        for order in range(len(self.factors)):
-            out = out + self.factors[order].to(out_dtype) * ((gap ** order) / math.factorial(order))
-        return unflatten(out, self.template), AccelDecision(step, self.branch, "predict")

@@ -600,7 +600,8 @@ class Cosmos3CachedStack:
     gen layer can run on any subset of rows. Pad rows of the gen stream are kept at exactly 0 after every segment
     (pad keys are masked, so the real rows are unchanged bitwise): a residual's relative L1 over [N_pad, D] then
     equals the one over the sample's real rows, as the reference computes it. `head` returns each row's decoded
-    prediction flattened to one vector ([vision | sound | action], `flatten_prediction`): the caches' "output".
+    prediction flattened to one vector ([vision | sound | action], `flatten_prediction`): `cached_forward` splits
+    one output tensor per row, and cosmos3 has three output heads.
     Eager and single-device (refused under sequence / tensor parallelism by the loop)."""
 
     def __init__(self, fast: Cosmos3Fast) -> None:
@@ -650,7 +651,7 @@ class Cosmos3CachedStack:
 
 
 def flatten_prediction(pred: Cosmos3Prediction) -> torch.Tensor:
-    """[1, M]: vision, then sound, then action, each flattened (what the step caches store and predict)."""
+    """[1, M]: vision, then sound, then action, each flattened (one output row of the cached step)."""
     parts = [t.reshape(-1) for t in (pred.vision, pred.sound, pred.action) if t is not None]
     return torch.cat(parts)[None]
 
