@@ -30,7 +30,6 @@ def test_wrong_branch_residual_fails_its_certificate(small_set):
     assert cert.requests["placeholder"] is True
 
 
-@pytest.mark.slow
 def test_clean_lossy_cache_within_budget_passes(small_set):
     cert = certify("wan", "fbcache:threshold=0.05", request_set=small_set)
     assert cert.passed, cert.reasons
@@ -38,7 +37,6 @@ def test_clean_lossy_cache_within_budget_passes(small_set):
     assert cert.speedup["wall_ratio"] > 0 and cert.c3 is not None and "p_value" in cert.c3
 
 
-@pytest.mark.slow
 def test_reusing_everything_on_random_weights_fails_on_psnr(small_set):
     cert = certify("wan", "dbcache:fn=1,bn=0,threshold=1,warmup=1", request_set=small_set)
     assert cert.c1["passed"]                                    # the engine does what the rule says ...
@@ -46,14 +44,12 @@ def test_reusing_everything_on_random_weights_fails_on_psnr(small_set):
     assert not cert.passed and any(r.startswith("PSNR") for r in cert.reasons)   # ... and costs too much
 
 
-@pytest.mark.slow
 def test_never_refreshing_cache_fails_its_certificate(small_set):
     cert = certify("wan", "fbcache:threshold=0.5", fault="never_refresh", request_set=placeholder_set(steps=6))
     assert not cert.passed and not cert.c1["passed"]
     assert any(r.startswith("C1 under fbcache") for r in cert.reasons)
 
 
-@pytest.mark.slow
 def test_sparse_mask_without_diagonal_fails_its_certificate(small_set):
     cert = certify("wan", "sta", fault="drop_diagonal", request_set=small_set)
     assert not cert.passed and cert.c1["first_failure"]["step"] == 0
@@ -84,7 +80,6 @@ def test_bad_input_is_a_usage_error_and_writes_nothing(args, needle, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.slow
 def test_cli_writes_the_certificate_and_exits_1_on_failure(tmp_path):
     out = tmp_path / "cert.json"
     r = CliRunner().invoke(certify_cmd, ["wan", "--accel", "fbcache:threshold=0.5", "--plant-fault", "wrong_branch",

@@ -30,6 +30,9 @@ class DeploymentCard:
     memory: dict                          # budget, reserved, peak (bytes), parameter bytes
     card_version: int = CARD_VERSION
     extra: dict = field(default_factory=dict)
+    # served accelerations (optimized.serving.requests.serve_accel): label, exact, default, certificate path,
+    # passed, budget, reasons; [] when the engine serves only the exact path
+    accelerations: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,4 +144,13 @@ def deployment_card(engine: Any) -> DeploymentCard:
         memory={"budget_bytes": sched.memory_budget_bytes, "reserved_bytes": sched.reserved_bytes,
                 "peak_bytes": sched.peak_bytes, "parameter_bytes": _param_bytes(engine.model),
                 **_weights_memory(engine)},
-        extra={"cfg_policy": engine.options.cfg_policy, "max_batch": sched.max_batch})
+        extra={"cfg_policy": engine.options.cfg_policy, "max_batch": sched.max_batch},
+        accelerations=_accelerations(engine))
+
+
+def _accelerations(engine: Any) -> list:
+    table = engine.__dict__.get("served_accels")
+    if not table:
+        return []
+    return [{"label": label, "default": label == table["default"], **entry}
+            for label, entry in sorted(table["served"].items())]

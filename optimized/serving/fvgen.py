@@ -68,6 +68,8 @@ def _generate_parser() -> argparse.ArgumentParser:
     g.add_argument("--image", help="conditioning image (PNG/JPEG) for image-to-video models")
     g.add_argument("--lora", action="append", metavar="FILE[:SCALE]", help="a LoRA file (any format fvconvert lora "
                    "reads) applied to this request at SCALE (default 1.0); repeatable")
+    g.add_argument("--accel", metavar="NAME[:KNOBS]", help="an acceleration for this request, e.g. "
+                   "fbcache:threshold=0.05 (manifests/accel; certify it with fvparity certify); none: exact")
     r = p.add_argument_group("run")
     r.add_argument("--out", help="OUT.mp4 (+ OUT.json sidecar) or a directory for PNG frames (+ video.json)")
     r.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -136,7 +138,7 @@ def _run_generate(argv: list[str]) -> int:
         request, program_image = build_request(
             engine, prompt=args.prompt, prompt_ids=args.prompt_ids, negative_prompt=args.negative_prompt,
             negative_prompt_ids=args.negative_prompt_ids, num_frames=args.frames, height=height, width=width,
-            num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed, image=image)
+            num_steps=args.steps, guidance_scale=args.guidance, seed=args.seed, image=image, accel=args.accel)
         from optimized.serving.loras import apply_cli_loras
         request = apply_cli_loras(engine, request, args.lora)   # --lora FILE[:scale] (optimized/serving/loras.py)
         program = engine.start_video(request, args.out, image=program_image)

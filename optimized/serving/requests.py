@@ -182,7 +182,7 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
                   guidance_scale: float | None = None, seed: int | None = 0,
                   image: torch.Tensor | None = None, fps: float | None = None, guidance_scale_2: float | None = None,
                   flow_shift: float | None = None, boundary_ratio: float | None = None,
-                  lora: tuple = ()) -> tuple[Any, torch.Tensor | None]:
+                  lora: tuple = (), accel: Any = None) -> tuple[Any, torch.Tensor | None]:
     """A family request from plain fields, and the image the video program must encode (None when the request
     carries it). Uses the family's processor for prompts when it has one; see the module doc otherwise. The
     extension fields (fps, guidance_scale_2, flow_shift, boundary_ratio) and the LoRA refs (`lora`, checked by the
@@ -191,7 +191,7 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
         request, left = request_from_prompt(engine, prompt, negative_prompt=negative_prompt, num_frames=num_frames,
                                             height=height, width=width, num_steps=num_steps,
                                             guidance_scale=guidance_scale, seed=seed, image=image)
-        return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio, lora), left
+        return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio, lora, accel), left
     adapter = adapter_for(engine)
     in_request = media_chain(engine).image_in_request
     text = tokens_for(engine, prompt, prompt_ids)
@@ -205,7 +205,7 @@ def build_request(engine: Any, *, prompt: str | None = None, prompt_ids: Any = N
         raise
     except ValueError as e:
         raise ServingError(str(e)) from None
-    return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio, lora), \
+    return with_extensions(engine, request, fps, guidance_scale_2, flow_shift, boundary_ratio, lora, accel), \
         None if in_request else image
 
 
@@ -225,7 +225,8 @@ def frame_step(engine: Any) -> int:
 
 
 def with_extensions(engine: Any, request: Any, fps: float | None = None, guidance_scale_2: float | None = None,
-                    flow_shift: float | None = None, boundary_ratio: float | None = None, lora: tuple = ()) -> Any:
+                    flow_shift: float | None = None, boundary_ratio: float | None = None, lora: tuple = (),
+                    accel: Any = None) -> Any:
     """`request` with the vllm-omni / SGLang extension fields set where its type has them; ServingError naming
     the field where it has none. fps: a request field (cosmos3) or the model's fixed clip rate (which a request may
     restate, not change); boundary_ratio: a two-expert model's own switch point (a model property: a request may
@@ -259,7 +260,73 @@ def with_extensions(engine: Any, request: Any, fps: float | None = None, guidanc
         if "lora" not in names:
             raise ServingError(f"lora: {family} requests take no LoRA adapters")
         changes["lora"] = tuple(lora)
+    spec = resolve_accel(engine, accel)          # `accel`: None -> the engine's default (optimized/serving: serve_accel)
+    if "accel" in names:
+        if spec is not None or accel is not None:
+            changes["accel"] = spec
+    elif spec is not None:
+        raise ServingError(f"accel: {family} requests take no acceleration")
     return dataclasses.replace(request, **changes) if changes else request
+
+
+# ---------------------------------------------------------------------------------------------- accelerations
+# An engine serves accelerations (issue 21): `serve_accel(engine, "fbcache:threshold=0.05", certificate=PATH)` lists
+# one (with its certificate: path, pass / fail, budget) on the DeploymentCard; `default=True` makes it the engine's
+# default, taken by every request that names none ("none" / "exact" asks for the exact path). Kept in
+# engine.__dict__ (like `tokenizer_dir`): the Engine class is not changed for it.
+EXACT_WORDS = ("none", "exact", "off")
+
+
+def served_accels(engine: Any) -> dict:
+    """{"served": {label: {"exact", "certificate", "passed", "budget", "reasons"}}, "default": label | None}."""
+    return engine.__dict__.setdefault("served_accels", {"served": {}, "default": None})
+
+
+def serve_accel(engine: Any, accel: str, certificate: str | Path | None = None, default: bool = False) -> Any:
+    """Register a served acceleration (ServingError for a bad spec or an unreadable certificate); its AccelSpec."""
+    import json
+    from manifests.accel import AccelSpecError, parse_accel
+    try:
+        spec = parse_accel(accel)
+    except AccelSpecError as e:
+        raise ServingError(f"accel: {e}") from None
+    entry: dict = {"exact": spec.exact, "certificate": None, "passed": None, "budget": None, "reasons": []}
+    if certificate is not None:
+        try:
+            cert = json.loads(Path(certificate).read_text())
+        except (OSError, ValueError) as e:
+            raise ServingError(f"accel {spec.label()}: certificate {certificate}: unreadable ({e})") from None
+        if not isinstance(cert, dict) or cert.get("label") != spec.label():
+            raise ServingError(f"accel {spec.label()}: certificate {certificate} certifies "
+                               f"{cert.get('label') if isinstance(cert, dict) else None!r}, not this acceleration")
+        entry.update(certificate=str(certificate), passed=bool(cert.get("passed")), budget=cert.get("budget"),
+                     reasons=list(cert.get("reasons") or []),
+                     placeholder=bool((cert.get("requests") or {}).get("placeholder", False)))
+    table = served_accels(engine)
+    table["served"][spec.label()] = entry
+    if default:
+        table["default"] = spec.label()
+    return spec
+
+
+def resolve_accel(engine: Any, value: Any) -> Any:
+    """A request's `accel` value -> an AccelSpec or None (exact): None takes the engine's default, "none" / "exact"
+    the exact path, text is parsed (manifests.accel.parse_accel); ServingError with the AccelSpecError message."""
+    from manifests.accel import AccelSpec, AccelSpecError, parse_accel
+    if isinstance(value, AccelSpec):
+        return value
+    if value is None:
+        value = served_accels(engine)["default"] if "served_accels" in engine.__dict__ else None
+        if value is None:
+            return None
+    if not isinstance(value, str):
+        raise ServingError(f"accel: must be a string NAME[:knob=value,...], got {type(value).__name__}")
+    if value.strip().lower() in EXACT_WORDS:
+        return None
+    try:
+        return parse_accel(value)
+    except AccelSpecError as e:
+        raise ServingError(f"accel: {e}") from None
 
 
 def tokenizer_dir(engine: Any) -> Path | None:
@@ -297,6 +364,7 @@ def request_from_prompt(engine: Any, prompt: str, *, image: Any = None, negative
     the image left for the video program to encode (None: the processor put the image into the request itself,
     encoding conditioning pixels through the media chain's VAE encode loop where it asks for an encoder)."""
     import inspect
+    accel = extra.pop("accel", None)
     proc = processor_for(engine)
     if proc is None:
         has = getattr(engine.family, "processor", None) is not None
@@ -316,4 +384,4 @@ def request_from_prompt(engine: Any, prompt: str, *, image: Any = None, negative
         request = proc.build_request(prompt, negative_prompt, image, **kw)
     except ValueError as e:
         raise ServingError(str(e)) from None
-    return request, None
+    return with_extensions(engine, request, accel=accel), None

@@ -740,8 +740,26 @@ def build_parser(prog: str = "python -m optimized.serving.server") -> argparse.A
     p.add_argument("--session-idle-timeout", type=_bounded_int(1), default=300,
                    help="seconds a realtime session with nothing running and no client call stays open")
     p.add_argument("--max-sessions", type=_bounded_int(1), default=64, help="realtime sessions open at once")
+    p.add_argument("--serve-accel", action="append", default=[], metavar="NAME[:KNOBS][@CERT.json]",
+                   help="list an acceleration on the DeploymentCard with its certificate (fvparity certify --out); "
+                        "repeatable")
+    p.add_argument("--default-accel", default=None, metavar="NAME[:KNOBS]",
+                   help="the acceleration requests get when they name none (a request's accel: none runs exact)")
     add_log_args(p)   # --log-format text | json (optimized/serving/observability.py)
     return p
+
+
+def apply_accel_args(engine: Any, served: list[str], default: str | None) -> None:
+    """--serve-accel SPEC[@CERT] ... and --default-accel SPEC onto the engine (ServingError, a ValueError, if bad)."""
+    from optimized.serving.requests import serve_accel
+    for item in served:
+        spec, _, cert = item.partition("@")
+        serve_accel(engine, spec, cert or None)
+    if default is not None:
+        serve_accel(engine, default, None, default=True) if not any(
+            i.partition("@")[0] == default for i in served) else serve_accel(
+            engine, default, next(i.partition("@")[2] or None for i in served if i.partition("@")[0] == default),
+            default=True)
 
 
 def startup_line(model: str, host: str, port: int) -> str:
@@ -778,6 +796,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m optimized.serving
         engine = load_engine(args.family, args.model, args.variant, args.device, args.dtype, args.plan,
                              args.seed_weights)
     except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:   # served accelerations and the default one (optimized/serving/requests.py serve_accel)
+        apply_accel_args(engine, args.serve_accel, args.default_accel)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import uvicorn

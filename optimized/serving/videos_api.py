@@ -35,7 +35,8 @@ from optimized.serving.requests import base64_image_bytes, decode_image, parse_s
 FIELDS = frozenset({
     "model", "prompt", "prompt_ids", "negative_prompt", "negative_prompt_ids", "size", "height", "width", "seconds",
     "num_frames", "frames", "fps", "num_inference_steps", "num_steps", "steps", "guidance_scale", "guidance",
-    "guidance_scale_2", "seed", "image", "input_reference", "lora", "flow_shift", "boundary_ratio"})
+    "guidance_scale_2", "seed", "image", "input_reference", "lora", "flow_shift", "boundary_ratio",
+    "accel"})     # accel: NAME[:knob=value,...] (manifests.accel), "none" for the exact path
 # accepted name -> the engine's keyword (AsyncEngine.submit / requests.build_request)
 ALIASES = {"frames": "num_frames", "steps": "num_steps", "num_inference_steps": "num_steps",
            "guidance": "guidance_scale"}
@@ -192,6 +193,19 @@ def _image_reference(value: Any) -> Any:
     return value
 
 
+def _accel_field(value: Any) -> str:
+    from manifests.accel import AccelSpecError, parse_accel
+    from optimized.serving.requests import EXACT_WORDS
+    if not isinstance(value, str):
+        raise BadField("accel", "accel must be a string NAME[:knob=value,...] (or \"none\")")
+    if value.strip().lower() not in EXACT_WORDS:
+        try:
+            parse_accel(value)
+        except AccelSpecError as e:
+            raise BadField("accel", f"accel: {e}") from None
+    return value
+
+
 def parse_fields(body: dict, image_bytes: bytes | None, image: ImageLimits, rule: FrameRule | None = None) -> dict:
     """Validated keyword fields for `AsyncEngine.submit` (BadField naming the field otherwise). An image is refused
     before it is decoded when the model takes none or its header declares an over-large size."""
@@ -214,6 +228,8 @@ def parse_fields(body: dict, image_bytes: bytes | None, image: ImageLimits, rule
             if not isinstance(value, str):
                 raise BadField(key, f"{key} must be a string")
             kw[name] = value
+        elif name == "accel":   # checked here (a 400 naming the field), applied by requests.with_extensions
+            kw[name] = _accel_field(value)
         else:  # prompt_ids / negative_prompt_ids: a list of ints or "1,2,3"
             kw[name] = value
     if body.get("size") is not None:
@@ -318,7 +334,8 @@ def request_schema(caps: dict) -> dict:
         "boundary_ratio": number, "seed": {"type": "integer", "minimum": 0},
         "image": {"type": "string", "description": "base64 PNG / JPEG or a data: URL"},
         "input_reference": {"type": "string", "description": "base64 PNG / JPEG or a data: URL (or a multipart file)"},
-        "lora": {"type": "string"}}}
+        "lora": {"type": "string"},
+        "accel": {"type": "string", "description": "NAME[:knob=value,...] (fvparity certify), or none"}}}
 
 
 __all__ = ["ALIASES", "API_STATUSES", "BadField", "FIELDS", "FrameRule", "ImageLimits", "api_status", "content_urls",
