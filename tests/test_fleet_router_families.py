@@ -35,6 +35,7 @@ def test_disaggregated_video_is_bitwise_the_colocated_one(family, variant, with_
                              "placement": {"backend": "local"}, "routing": {"health_interval_s": 3600},
                              "roles": {"encoder": {}, "denoiser": {"replicas": 2}, "decoder": {}}})
     gw = FleetGateway.start(spec)
+    first = None
     try:
         for i in range(2):   # the repeat: the encoder's cache (an image it encoded) and the denoiser's text cache
             prog = run_fleet(gw, image, f"p{i}")
