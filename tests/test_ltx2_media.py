@@ -1,5 +1,5 @@
-"""ltx2 media components at C0: the video VAE's decode (plain and timestep-conditioned) and encode agree between
-reference and optimized on random weights; every planted fault fails C0 naming its module; the latent statistics
+"""ltx2 media components at C0: the video VAE's decode (plain and timestep-conditioned) and encode, the audio VAE's
+decode (plain and with attention) and encode agree between reference and optimized on random weights; every planted fault fails C0 naming its module; the latent statistics
 round-trip; bad configs are refused by name."""
 
 import pytest
@@ -29,7 +29,9 @@ def test_media_c0_passes_on_every_forward():
     assert report.passed, [(c.name, c.metrics) for c in report.checks]
     assert names == ["video_vae.decode/tiny/fp32/forward", "video_vae.decode/tiny-tc/fp32/forward",
                      "video_vae.decode_tc/tiny-tc/fp32/forward", "video_vae.encode/tiny/fp32/forward",
-                     "video_vae.encode/tiny-tc/fp32/forward"]
+                     "video_vae.encode/tiny-tc/fp32/forward", "audio_vae.decode/tiny/fp32/forward",
+                     "audio_vae.decode/tiny-attn/fp32/forward", "audio_vae.decode_attn/tiny-attn/fp32/forward",
+                     "audio_vae.encode/tiny/fp32/forward", "audio_vae.encode/tiny-attn/fp32/forward"]
 
 
 @pytest.mark.parametrize("fault", sorted(MEDIA_FAULTS))
@@ -119,3 +121,24 @@ def test_released_size_shapes():
     assert shapes["encoder.conv_out.conv.weight"] == (129, 2048, 3, 3, 3)
     assert shapes["decoder.conv_out.conv.weight"] == (48, 128, 3, 3, 3)
     assert cfg.decoded_shape((1, 128, 16, 16, 24)) == (1, 3, 121, 512, 768)
+
+
+def test_audio_vae_decoded_shape_and_packed_statistics():
+    """decode gives 4 T - 3 frames and mel_bins bins on both sides; the pipeline's audio latent statistics act on
+    the packed [B, T, L * F] latents: (x - mean) / std, and pack / unpack are inverse."""
+    from manifests.ltx2.audio_vae import AUDIO_VAE_GAINS, audio_vae_key_shapes, load_audio_vae_variant
+    from optimized.models.ltx2 import audio_vae as opt_avae
+    from reference.ltx2 import audio_vae as ref_avae
+    cfg = load_audio_vae_variant("tiny")
+    state = random_state_dict(audio_vae_key_shapes(cfg), 0, gain_init(AUDIO_VAE_GAINS))
+    ref, opt = ref_avae.load_audio_vae(cfg, state), opt_avae.load_audio_vae(cfg, state)
+    z = torch.randn(1, cfg.latent_channels, 3, 4)
+    with torch.no_grad():
+        assert tuple(ref.decode(z).shape) == tuple(opt.decode(z).shape) == (1, 2, 9, 16) == cfg.decoded_shape(z.shape)
+    packed = ref_avae.pack_audio_latents(z)
+    assert packed.shape == (1, 3, cfg.latent_channels * 4)
+    assert torch.equal(ref_avae.unpack_audio_latents(packed, 4), z)
+    want = (packed - state["latents_mean"]) / state["latents_std"]
+    for side in (ref, opt):
+        torch.testing.assert_close(side.normalize(packed), want)
+        torch.testing.assert_close(side.denormalize(side.normalize(packed)), packed, rtol=1e-5, atol=1e-5)

@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
+import optimized.models.ltx2.audio_vae as opt_avae
 import optimized.models.ltx2.video_vae as opt_vae
+import reference.ltx2.audio_vae as ref_avae
 import reference.ltx2.video_vae as ref_vae
 from manifests.errors import ManifestError
+from manifests.ltx2.audio_vae import AUDIO_VAE_GAINS, audio_vae_key_shapes, load_audio_vae_variant
 from manifests.ltx2.video_vae import (
     VIDEO_VAE_GAINS,
     Ltx2VideoVaeConfig,
@@ -47,10 +50,24 @@ def video_encode_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
     return {"video": torch.rand(2, cfg.in_channels, cfg.temporal_ratio + 1, 2 * s, 2 * s, generator=g) * 2 - 1}
 
 
-def _sides(make_inputs, reference, optimized, variants, fault_key, fault_layer, extra=()) -> PortedSides:
-    return PortedSides(family="ltx2", load_variant=load_video_vae_variant, key_shapes=video_vae_key_shapes,
-                       gains=VIDEO_VAE_GAINS, make_inputs=make_inputs, reference=reference, optimized=optimized,
-                       default_variants=variants, fault_key=fault_key, fault_layer=fault_layer, extra_faults=extra)
+def audio_decode_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Latents [2, L, 5 frames, mel_bins / 4] (decodes to 17 spectrogram frames)."""
+    g = torch.Generator().manual_seed(seed + 303)
+    return {"z": torch.randn(2, cfg.latent_channels, 5, max((cfg.mel_bins or 16) // 4, 1), generator=g)}
+
+
+def audio_encode_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 404)
+    return {"mel": torch.randn(2, cfg.in_channels, 17, cfg.mel_bins or 16, generator=g)}
+
+
+def _sides(make_inputs, reference, optimized, variants, fault_key, fault_layer, extra=(),
+           component: str = "video") -> PortedSides:
+    load, shapes, gains = ((load_video_vae_variant, video_vae_key_shapes, VIDEO_VAE_GAINS) if component == "video"
+                           else (load_audio_vae_variant, audio_vae_key_shapes, AUDIO_VAE_GAINS))
+    return PortedSides(family="ltx2", load_variant=load, key_shapes=shapes, gains=gains, make_inputs=make_inputs,
+                       reference=reference, optimized=optimized, default_variants=variants, fault_key=fault_key,
+                       fault_layer=fault_layer, extra_faults=extra)
 
 
 VIDEO_DECODE = _sides(video_decode_inputs, ref_vae.load_video_vae, opt_vae.load_video_vae, ("tiny", "tiny-tc"),
@@ -68,8 +85,21 @@ VIDEO_ENCODE = _sides(video_encode_inputs, ref_vae.load_video_encoder, opt_vae.l
                       extra=(("encoder.conv_out.conv.bias", "encoder.conv_out"),
                              ("encoder.down_blocks.0.resnets.0.conv1.conv.weight", "encoder.down_blocks.0")))
 
+AUDIO_DECODE = _sides(audio_decode_inputs, ref_avae.load_audio_vae, opt_avae.load_audio_vae, ("tiny", "tiny-attn"),
+                      "decoder.up.1.block.0.conv2.conv.weight", "decoder.up.1",
+                      extra=(("decoder.mid.block_2.conv1.conv.weight", "decoder.mid"),
+                             ("decoder.up.0.block.0.nin_shortcut.conv.weight", "decoder.up.0")),
+                      component="audio")
+AUDIO_DECODE_ATTN = _sides(audio_decode_inputs, ref_avae.load_audio_vae, opt_avae.load_audio_vae, ("tiny-attn",),
+                           "decoder.up.1.attn.0.k.weight", "decoder.up.1",
+                           extra=(("decoder.mid.attn_1.v.weight", "decoder.mid"),), component="audio")
+AUDIO_ENCODE = _sides(audio_encode_inputs, ref_avae.load_audio_encoder, opt_avae.load_audio_encoder,
+                      ("tiny", "tiny-attn"), "encoder.down.1.downsample.conv.weight", "encoder.down.1",
+                      extra=(("encoder.conv_out.conv.bias", "encoder.conv_out"),), component="audio")
+
 MEDIA_SIDES: dict[str, PortedSides] = {"video_vae.decode": VIDEO_DECODE, "video_vae.decode_tc": VIDEO_DECODE_TC,
-                                       "video_vae.encode": VIDEO_ENCODE}
+                                       "video_vae.encode": VIDEO_ENCODE, "audio_vae.decode": AUDIO_DECODE,
+                                       "audio_vae.decode_attn": AUDIO_DECODE_ATTN, "audio_vae.encode": AUDIO_ENCODE}
 # fault name (unique across the media forwards) -> (forward, weight scaled, module C0 must name)
 MEDIA_FAULTS: dict[str, tuple[str, str, str]] = {
     f"{forward}:{name}": (forward, key, layer)
