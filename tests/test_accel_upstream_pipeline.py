@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from manifests.accel import parse_accel
 from reference.wan.pipeline import WanReferencePipeline
