@@ -85,7 +85,7 @@ def _case_rows(family: str, level: str, topology: str, case: str, variant: str, 
     from optimized.programs import generate_video
     from optimized.serving.loading import load_engine
 
-    row = lambda check, ok, detail: TopologyRow(family, level, topology, case, check, ok, detail)  # noqa: E731
+    row = lambda check, ok, detail: TopologyRow(family, level, topology, case, check, ok, detail)
     engine = load_engine(family, None, variant)
     replicas = 2 if topology == "replicas" or fault == "stale_cache" else 1
     reqs = _requests(engine, image, seeds=(7, 8)[:replicas])

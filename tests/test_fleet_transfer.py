@@ -9,9 +9,22 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from optimized.fleet.transfer import TensorEntry, TransferError, TransferManifest, content_key, pack, unpack
-from optimized.fleet.transports import (FaultyTransport, InProcessTransport, SharedMemoryTransport,
-                                        TorchDistTransport, release, segment_exists)
+from optimized.fleet.transfer import (
+    TensorEntry,
+    TransferError,
+    TransferManifest,
+    content_key,
+    pack,
+    unpack,
+)
+from optimized.fleet.transports import (
+    FaultyTransport,
+    InProcessTransport,
+    SharedMemoryTransport,
+    TorchDistTransport,
+    release,
+    segment_exists,
+)
 
 
 @dataclass(frozen=True)
@@ -121,7 +134,7 @@ def test_shared_memory_is_released_after_consumption():
 
 def _consume(handle, q):
     tr = SharedMemoryTransport(chunk_bytes=64)
-    m, t = tr.recv(handle)
+    _, t = tr.recv(handle)
     q.put({k: v.sum().item() for k, v in t.items()})
 
 
@@ -169,6 +182,7 @@ def _dist_rank(rank, port, q):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 def test_torch_dist_gloo_moves_a_manifest_between_ranks():
     import socket
     with socket.socket() as s:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,7 +37,14 @@ from typing import Any
 import torch
 
 from optimized.fleet.stages import NEXT_ROLE, ROLES, STAGE_OF_ROLE
-from optimized.fleet.transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, content_key, pack, unpack
+from optimized.fleet.transfer import (
+    DEFAULT_CHUNK_BYTES,
+    TransferError,
+    TransferManifest,
+    content_key,
+    pack,
+    unpack,
+)
 from optimized.fleet.transports import InProcessTransport, SharedMemoryTransport
 
 STAGE_NAME = {"gateway": "request", "encoder": "encode", "denoiser": "denoise", "decoder": "decode"}
@@ -181,12 +189,13 @@ class RoleWorker:
         self.calls = 0
         self.last_hit = False
         self.weights_version: Any = None
+        self._lock = threading.Lock()                # one stage at a time per replica (one engine, one pipe)
 
     @property
     def replica_id(self) -> str:
         return self.spec.replica_id
 
-    def start(self) -> "RoleWorker":
+    def start(self) -> RoleWorker:
         if not self.processes:
             self.body = RoleEngine(self.spec, self._engine)
             self.weights_version = self.body.weights_version
@@ -224,7 +233,11 @@ class RoleWorker:
     def run_stage(self, manifest: TransferManifest,
                   tensors: dict[str, torch.Tensor]) -> tuple[TransferManifest, dict[str, torch.Tensor]]:
         """The role's stage on (manifest, tensors): the input crosses the transport to the replica, the output back."""
-        self.calls += 1
+        with self._lock:
+            return self._run_stage(manifest, tensors)
+
+    def _run_stage(self, manifest: TransferManifest,
+                   tensors: dict[str, torch.Tensor]) -> tuple[TransferManifest, dict[str, torch.Tensor]]:
         handle = self.transport.send(manifest, tensors)
         if self.body is not None:
             m, t = self.transport.recv(handle)
@@ -273,7 +286,7 @@ class LocalFleet:
     def __init__(self, family: str, variant: str | None = None, *, model_dir: str | None = None, seed: int = 0,
                  denoisers: int = 1, processes: bool = True, transport: str = "shared_memory",
                  denoiser_cache_entries: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES, engines: dict | None = None):
-        base = dict(family=family, variant=variant, model_dir=model_dir, seed=seed, chunk_bytes=chunk_bytes)
+        base = {"family": family, "variant": variant, "model_dir": model_dir, "seed": seed, "chunk_bytes": chunk_bytes}
         engines = engines or {}
         self.workers: dict[str, list[RoleWorker]] = {
             "encoder": [RoleWorker(RoleSpec("encoder", **base), transport=transport, processes=processes,
@@ -285,9 +298,10 @@ class LocalFleet:
                                    engine=engines.get("decoder"))]}
         self.chunk_bytes = chunk_bytes
         self._ids = itertools.count()
+        self._pick_lock = threading.Lock()
         self.route_to: dict[str, str] = {}             # input key -> denoiser replica id holding it (affinity)
 
-    def start(self) -> "LocalFleet":
+    def start(self) -> LocalFleet:
         try:
             for ws in self.workers.values():
                 for w in ws:
@@ -302,19 +316,23 @@ class LocalFleet:
             for w in ws:
                 w.close()
 
-    def __enter__(self) -> "LocalFleet":
+    def __enter__(self) -> LocalFleet:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def _pick(self, role: str, key: str | None) -> RoleWorker:
+        """The replica holding `key` (affinity), else the one with the fewest calls placed (concurrent generate
+        calls from threads spread over the replicas; a replica runs one stage at a time)."""
         ws = self.workers[role]
-        if key is not None:
-            for w in ws:
-                if key in w.resident or self.route_to.get(key) == w.replica_id:
-                    return w
-        return min(ws, key=lambda w: w.calls)
+        with self._pick_lock:
+            pick = None
+            if key is not None:
+                pick = next((w for w in ws if key in w.resident or self.route_to.get(key) == w.replica_id), None)
+            pick = pick or min(ws, key=lambda w: w.calls)
+            pick.calls += 1
+            return pick
 
     def generate(self, request: Any, image: Any = None, request_id: str | None = None) -> FleetResult:
         """The request through encoder -> denoiser -> decoder. With denoiser caches, the denoiser call carries its

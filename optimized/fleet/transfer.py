@@ -56,7 +56,7 @@ class TensorEntry:
     chunks: int                       # pieces the transport moves it in
 
     @staticmethod
-    def of(name: str, t: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> "TensorEntry":
+    def of(name: str, t: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TensorEntry:
         nbytes = t.numel() * t.element_size()
         return TensorEntry(name, tuple(t.shape), str(t.dtype), LAYOUT, nbytes, max(1, -(-nbytes // chunk_bytes)))
 
@@ -114,7 +114,7 @@ class TransferManifest:
         if received != e.chunks:
             raise TransferError(f"entries[{name}].chunks", f"declared {e.chunks}, received {received}")
 
-    def check_cache_entry(self, resident: "TransferManifest") -> None:
+    def check_cache_entry(self, resident: TransferManifest) -> None:
         """A resident entry may serve this manifest's stage only when it was produced for the same input."""
         if resident.cache_key != self.cache_key:
             raise TransferError("cache_key", f"resident entry was produced for {resident.cache_key}, the request's "

@@ -27,7 +27,13 @@ from typing import Any, Protocol
 
 import torch
 
-from optimized.fleet.transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, from_chunks, to_chunks
+from optimized.fleet.transfer import (
+    DEFAULT_CHUNK_BYTES,
+    TransferError,
+    TransferManifest,
+    from_chunks,
+    to_chunks,
+)
 
 
 class Transport(Protocol):
@@ -91,7 +97,7 @@ def _untrack(name: str) -> None:
     from multiprocessing import resource_tracker
     try:
         resource_tracker.unregister(f"/{name.lstrip('/')}", "shared_memory")
-    except Exception:  # noqa: BLE001 - not registered (a platform without the tracker)
+    except Exception:  # noqa: BLE001, S110 - not registered (a platform without the tracker)
         pass
 
 
@@ -241,7 +247,7 @@ class FaultyTransport:
             raise TypeError("FaultyTransport damages in-process transfers only")
         manifest, pieces = self.inner._held[handle]
         if self.only_stage in (None, manifest.stage):
-            target = lambda want: want if want != "*" else max(manifest.entries, key=lambda e: e.nbytes).name  # noqa: E731
+            target = lambda want: want if want != "*" else max(manifest.entries, key=lambda e: e.nbytes).name
             if self.drop_last_chunk is not None:
                 name = target(self.drop_last_chunk)
                 pieces[name] = pieces[name][:-1]
