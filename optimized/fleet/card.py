@@ -111,7 +111,9 @@ def fleet_card(spec: DeploymentSpec, router: Any = None, engine_card: dict | Non
                   for p in spec.roles)
     endpoints = tuple(TransferEndpoint(a, b, spec.transport) for a, b in zip(ROLES, ROLES[1:]))
     events = ("cache.stored", "cache.hit", "cache.evicted")
-    caches = (CacheEventSpec("image_encode", "encoder", "image:sha256(pixels):shape:dtype:weights version", events),
+    caches = (CacheEventSpec("stage_output", "encoder", "content key of the stage input (TransferManifest.cache_key: "
+                             "its tensors, structure, weights version)", events),
+              CacheEventSpec("stage_output", "denoiser", "content key of the stage input (as above)", events),
               CacheEventSpec("text_encoder_output", "denoiser", "text_ids:sha256(prompt token ids) (the text "
                              "encoder's CacheKey input hash; made by the denoise loop)", events))
     if router is not None:

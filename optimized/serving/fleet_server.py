@@ -130,16 +130,6 @@ def make_stage_worker(model: ModelSource, role: str, replica_id: str | None = No
 
 
 # ==================================================================================== the gateway side
-def image_key(image: Any, weights_version: Any) -> str | None:
-    """The encoder's cache key for a conditioning image: its content hash and the weights that encode it."""
-    if image is None:
-        return None
-    import torch
-    data = image.detach().cpu().contiguous()
-    digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()[:24]
-    return f"image:{digest}:{list(data.shape)}:{data.dtype}:{weights_version}"
-
-
 def text_key(request: Any) -> str | None:
     """The denoiser's affinity key: the content hash of the request's prompt token ids (what a text-embedding
     CacheKey carries as its `text_ids` input hash), None for a request without them."""
@@ -152,16 +142,18 @@ def text_key(request: Any) -> str | None:
     return f"text_ids:{content_hash(torch.as_tensor(ids).reshape(-1).to(torch.int64).cpu())}"
 
 
-def stage_plans(request: Any, image: Any, weights_version: Any) -> list[StagePlan]:
-    """The request's three stages, priced in the cost model's units (UNITS in optimized/fleet/card.py); the
-    encoder's affinity key is the image's, the denoiser's the prompt's (its text embedding is made and cached by
-    the denoise loop's text encoder on the replica that ran it)."""
+def stage_plans(request: Any, first: tuple, weights_version: Any) -> list[StagePlan]:
+    """The request's three stages, priced in the cost model's units (UNITS in optimized/fleet/card.py). Affinity
+    keys: the encoder's is its input's content key (what its resident stage outputs are kept by), the denoiser's the
+    prompt's (its text embedding is made and cached by the denoise loop's text encoder on the replica that ran
+    it)."""
+    from optimized.fleet.roles import input_key
     steps = getattr(request, "num_steps", None) or 1
     dims = [getattr(request, n, None) for n in ("latent_frames", "latent_height", "latent_width")]
     tokens = 1
     for d in dims:
         tokens *= d or 1
-    return [StagePlan("encoder", 1.0, image_key(image, weights_version)),
+    return [StagePlan("encoder", 1.0, input_key(*first, weights_version)),
             StagePlan("denoiser", float(steps * tokens), text_key(request)), StagePlan("decoder", float(tokens))]
 
 
@@ -239,10 +231,10 @@ class FleetProgram:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        plans = stage_plans(self.request, self.image, getattr(self.engine.model, "weights_version", None))
         try:
             first = pack({"request": self.request, "image": self.image}, request_id=self.id, stage="request",
                          producer="gateway", consumer="encoder", prefix="request")
+            plans = stage_plans(self.request, first, getattr(self.engine.model, "weights_version", None))
             self.gateway.router.run(self.id, first, plans, finish=self._result,
                                     cancelled=lambda: self._cancel)   # the artifact: self.value (committed once)
         except RequestCancelled:
