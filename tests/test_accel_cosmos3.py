@@ -6,9 +6,12 @@ themselves; the planted faults fail at the step and branch they first bite; kind
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from manifests.accel import parse_accel
 from manifests.cosmos3 import canonical_key_shapes, load_variant
@@ -167,3 +170,55 @@ def test_trace_step_info_shows_the_decisions(tiny):
     assert plan.info["graph_cache"] == "accel"
     loop.release(state)
     assert not loop.residuals.store.keys()
+
+
+# ------------------------------------------------------------------------------------------------ upstream goldens
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "accel_cosmos3"
+GOLDEN_REL_L2 = 1e-4   # the contract's C1 fp32 loop tolerance (the exact gen_t2v anchor itself holds 1e-5)
+
+
+def _golden(kind: str):
+    from converters import convert_diffusers_dir_to_canonical_state_dict
+    from parity.families.cosmos3.c1 import golden_request
+    from parity.golden import load_case
+    meta = json.loads((GOLDEN / kind / "accel.json").read_text())
+    base = load_case(GOLDEN.parents[0] / "cosmos3" / "gen_t2v")
+    cfg, state = convert_diffusers_dir_to_canonical_state_dict(base.path / "upstream")
+    request = dataclasses.replace(golden_request(base), num_steps=meta["steps"], accel=parse_accel(meta["accel"]))
+    trajectory = load_file(str(GOLDEN / kind / "outputs.safetensors"))["trajectory_vision"]
+    return meta, cfg, state, request, trajectory
+
+
+def _view(d) -> dict:
+    as_list = lambda r: None if r is None else list(r)
+    return {"step": d.step, "branch": d.branch, "action": d.action, "blocks_computed": as_list(d.blocks_computed),
+            "blocks_reused": as_list(d.blocks_reused)}
+
+
+@pytest.mark.parametrize("kind", ["fbcache", "magcache"])
+@pytest.mark.parametrize("side", ["reference", "engine"])
+def test_upstream_goldens_decisions_and_trajectory(kind, side):
+    """diffusers' own FBCache / MagCache hooks on Cosmos3OmniPipeline (tools/make_accel_cosmos3_goldens.py): each
+    side makes upstream's decisions and follows its vision trajectory step by step."""
+    meta, cfg, state, request, want = _golden(kind)
+    if side == "reference":
+        from reference.cosmos3 import generate, load_transformer
+        res = generate(load_transformer(cfg, state), request, keep_trajectory=True)
+        decisions, trajectory = res.accel, [t["vision"] for t in res.trajectory]
+    else:
+        _, (res,) = _engine(cfg, state, [request])
+        decisions, trajectory = res["accel"]["decisions"], [t["vision"] for t in res["trajectory"]]
+    assert [_view(d) for d in decisions] == meta["decisions"]
+    assert len(trajectory) == want.shape[0]
+    for step, (got, ref) in enumerate(zip(trajectory, want)):
+        err = float((got.double() - ref.double()).norm() / ref.double().norm())
+        assert err <= GOLDEN_REL_L2, f"step {step}: rel L2 {err:.3g}"
+
+
+def test_upstream_golden_catches_never_refresh():
+    """Negative control: the engine with a residual store that never refreshes leaves upstream's decisions."""
+    from parity.accel_checks import planted
+    meta, cfg, state, request, _ = _golden("fbcache")
+    with planted("never_refresh"):
+        _, (res,) = _engine(cfg, state, [request])
+    assert [_view(d) for d in res["accel"]["decisions"]] != meta["decisions"]
