@@ -115,7 +115,6 @@ def make_case(name: str, out_root: Path) -> dict:
         template = template.format(t=threshold)
     spec = parse_accel(template)
     g = spec.get
-    case = base_case()
     meta = json.loads((BASE / "case.json").read_text())
     params = copy.deepcopy(meta["params"])
     params["num_inference_steps"] = STEPS
