@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity.families.ltx2.media import VIDEO_VAE_LOADERS, video_vae_probe
+from parity.families.ltx2.media import (
+    AUDIO_VAE_LOADERS,
+    VIDEO_VAE_LOADERS,
+    audio_vae_probe,
+    video_vae_probe,
+)
 from parity.golden import load_case, run_probe
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "ltx2_media"
@@ -81,3 +86,37 @@ def test_both_sides_equal_upstream_live(variant):
             vae = load(cfg, state)
             torch.testing.assert_close(vae.latent_mean(vae.encode(video)), want_mean, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(vae.decode(z, t), want_video, rtol=1e-4, atol=1e-5)
+
+
+def test_audio_vae_golden_passes_both_sides():
+    checks = run_probe(audio_vae_probe, load_case(GOLDEN / "audio_vae_attn"), ("reference", "optimized"))
+    assert checks and all(c.passed for c in checks), [(c.name, c.detail) for c in checks if not c.passed]
+    names = {c.name for c in checks}
+    for side in ("reference", "optimized"):
+        for out in ("latent_mean", "latent_std", "mel", "normalized", "denormalized", "latent_mean@intermediates",
+                    "mel@intermediates"):
+            assert f"audio_vae_attn/{side}:{out}" in names
+
+
+@pytest.mark.parametrize("key, module", [("decoder.up.1.attn.0.q.weight", "decoder.up.1"),
+                                         ("encoder.down.0.downsample.conv.weight", "encoder.down.0")])
+def test_a_planted_audio_weight_fails_the_golden_naming_its_stage(key, module, monkeypatch):
+    real = AUDIO_VAE_LOADERS["optimized"]
+    monkeypatch.setitem(AUDIO_VAE_LOADERS, "optimized",
+                        lambda cfg, state, *a, **kw: real(cfg, {**state, key: state[key] * 1.5}, *a, **kw))
+    checks = run_probe(audio_vae_probe, load_case(GOLDEN / "audio_vae_attn"), ("reference", "optimized"))
+    failed = [c for c in checks if not c.passed]
+    assert failed and all("/optimized:" in c.name for c in failed)
+    rows = [c for c in failed if c.name.endswith("@intermediates")]
+    assert rows and rows[0].divergence == module, [(c.name, c.divergence) for c in failed]
+
+
+@pytest.mark.upstream
+@pytest.mark.parametrize("variant", ["tiny", "tiny-attn", "upstream-default"])
+def test_audio_variants_and_key_shapes_equal_upstream(variant):
+    diffusers = pytest.importorskip("diffusers")
+    from manifests.ltx2.audio_vae import audio_vae_key_shapes, load_audio_vae_variant
+    cfg = load_audio_vae_variant(variant)
+    with torch.device("meta"):
+        up = diffusers.AutoencoderKLLTX2Audio(**cfg.to_dict())
+    assert {k: tuple(v.shape) for k, v in up.state_dict().items()} == audio_vae_key_shapes(cfg)

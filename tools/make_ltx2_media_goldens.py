@@ -43,6 +43,14 @@ CASES = {
         upsample_residual=[False, True, True], upsample_factor=[1, 2, 2], timestep_conditioning=True,
         decoder_causal=True, scaling_factor=1.0),
 }
+# audio: LTX-2's structure (pixel norm, causal in time) with attention at the 8-resolution level and the middle,
+# 8 channels wide; base_channels = latent_channels * mel_bins / 4 as released (the packed statistics' width)
+AUDIO_CASES = {
+    "audio_vae_attn": {"base_channels": 8, "output_channels": 2, "ch_mult": [1, 1, 1], "num_res_blocks": 1,
+                       "attn_resolutions": [8], "in_channels": 2, "resolution": 16, "latent_channels": 2,
+                       "norm_type": "pixel", "causality_axis": "height", "mid_block_add_attention": True,
+                       "mel_bins": 16, "double_z": True},
+}
 SEED = 0
 
 
@@ -117,6 +125,86 @@ def make_case(out_root: Path, name: str, cfg: dict) -> Path:
     return case
 
 
+def make_audio_case(out_root: Path, name: str, cfg: dict) -> Path:
+    import diffusers
+    import torch
+    from diffusers import AutoencoderKLLTX2Audio
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
+
+    torch.manual_seed(SEED)
+    vae = AutoencoderKLLTX2Audio(**cfg).eval()
+    g = torch.Generator().manual_seed(SEED + 7)
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.randn(vae.latents_mean.shape, generator=g) * 0.5)
+        vae.latents_std.copy_(torch.rand(vae.latents_std.shape, generator=g) + 0.5)
+    g = torch.Generator().manual_seed(SEED + 1)
+    mel = torch.randn(2, cfg["in_channels"], 17, cfg["mel_bins"], generator=g)
+    z = torch.randn(2, cfg["latent_channels"], 5, cfg["mel_bins"] // 4, generator=g)
+    packed = LTX2Pipeline._pack_audio_latents(z)
+    hooks, traced = [], {}
+    modules = dict(vae.named_modules())
+    n = len(cfg["ch_mult"])
+    enc_names = ["encoder.conv_in"] + [f"encoder.down.{i}" for i in range(n)] + ["encoder.mid", "encoder.conv_out"]
+    dec_names = (["decoder.conv_in", "decoder.mid"] + [f"decoder.up.{i}" for i in reversed(range(n))]
+                 + ["decoder.conv_out"])
+    # upstream's stages (down.<l>, up.<l>, mid) are containers without a forward: each is stored as the output
+    # of its last module to run (the downsample / upsample, else its last block or attention)
+    def last_module(stage: str) -> str:
+        if stage.endswith(".mid"):
+            return stage + ".block_2"
+        for tail in (".downsample", ".upsample"):
+            if stage + tail in modules:
+                return stage + tail
+        last_block = max(int(k.split(".")[-1]) for k in modules if k.startswith(stage + ".block.")
+                         and k.count(".") == stage.count(".") + 2)
+        attn = f"{stage}.attn.{last_block}"
+        return attn if attn in modules else f"{stage}.block.{last_block}"
+
+    for m in enc_names + dec_names:
+        hooks.append(modules[last_module(m) if m.split(".")[1] in ("down", "up", "mid") else m].register_forward_hook(
+            lambda mod, a, out, m=m: traced.__setitem__(m, out.detach().clone())))
+    with torch.no_grad():
+        posterior = vae.encode(mel).latent_dist
+        decoded = vae.decode(z).sample
+    for h in hooks:
+        h.remove()
+    outputs = {"latent_mean": posterior.mean, "latent_std": posterior.std, "mel": decoded,
+               "normalized": LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean, vae.latents_std),
+               "denormalized": LTX2Pipeline._denormalize_audio_latents(packed, vae.latents_mean, vae.latents_std),
+               **{f"latent_mean@{m}": traced[m] for m in enc_names}, **{f"mel@{m}": traced[m] for m in dec_names}}
+    return _write(out_root, name, vae, {"mel": mel, "z": z, "packed": packed}, outputs, {
+        "probe": "ltx2.audio_vae", "class_name": "AutoencoderKLLTX2Audio", "diffusers": diffusers.__version__,
+        "torch": torch.__version__,
+        "intermediates": [f"latent_mean@{m}" for m in enc_names] + [f"mel@{m}" for m in dec_names],
+        "description": f"AutoencoderKLLTX2Audio {name}: encode (posterior) and decode of mel spectrogram latents, "
+                       "LTX2Pipeline packed audio latent (de)normalisation"})
+
+
+def _write(out_root: Path, name: str, model, inputs: dict, outputs: dict, info: dict) -> Path:
+    from safetensors.torch import save_file
+
+    case = out_root / name
+    tmp = Path(tempfile.mkdtemp(dir=out_root, prefix=f".{name}."))
+    try:
+        model.save_pretrained(tmp / "upstream", safe_serialization=True)
+        config = json.loads((tmp / "upstream" / "config.json").read_text())
+        save_file({k: v.contiguous() for k, v in inputs.items()}, str(tmp / "inputs.safetensors"))
+        save_file({k: v.contiguous() for k, v in outputs.items()}, str(tmp / "outputs.safetensors"))
+        meta = {"family": "ltx2", "probe": info["probe"],
+                "upstream": {"package": "diffusers", "version": info["diffusers"], "class_name": info["class_name"],
+                             "torch": info["torch"]},
+                "upstream_format": "diffusers", "dtype": "float32", "seed": SEED, "tolerance": {"rel_l2": 1e-5},
+                "config": config, "intermediates": info["intermediates"], "description": info["description"]}
+        (tmp / "case.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if case.exists():
+            shutil.rmtree(case)
+        tmp.rename(case)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return case
+
+
 def main(argv: list[str]) -> int:
     try:
         import diffusers  # noqa: F401
@@ -130,6 +218,8 @@ def main(argv: list[str]) -> int:
     out_root.mkdir(parents=True, exist_ok=True)
     for name, cfg in CASES.items():
         print(make_case(out_root, name, cfg))
+    for name, cfg in AUDIO_CASES.items():
+        print(make_audio_case(out_root, name, cfg))
     return 0
 
 

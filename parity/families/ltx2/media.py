@@ -19,7 +19,11 @@ import optimized.models.ltx2.video_vae as opt_vae
 import reference.ltx2.audio_vae as ref_avae
 import reference.ltx2.video_vae as ref_vae
 from manifests.errors import ManifestError
-from manifests.ltx2.audio_vae import AUDIO_VAE_GAINS, audio_vae_key_shapes, load_audio_vae_variant
+from manifests.ltx2.audio_vae import (
+    AUDIO_VAE_GAINS,
+    audio_vae_key_shapes,
+    load_audio_vae_variant,
+)
 from manifests.ltx2.video_vae import (
     VIDEO_VAE_GAINS,
     Ltx2VideoVaeConfig,
@@ -163,4 +167,35 @@ def video_vae_probe(case, sides: tuple[str, ...]):
     return checks
 
 
-MEDIA_GOLDEN_PROBES = {"ltx2.video_vae": video_vae_probe}
+AUDIO_VAE_LOADERS = {"reference": ref_avae.load_audio_vae, "optimized": opt_avae.load_audio_vae}
+
+
+@golden_probe(required=("latent_mean", "latent_std", "mel", "normalized", "denormalized"),
+              optional=("latent_mean@*", "mel@*"))
+def audio_vae_probe(case, sides: tuple[str, ...]):
+    """A case of tools/make_ltx2_media_goldens.py: AutoencoderKLLTX2Audio's posterior of `mel`, its decode of `z`,
+    and LTX2Pipeline's (de)normalisation of the packed latents `packed`; every stage output against upstream's."""
+    config, state = read_diffusers_dir(case)
+    try:
+        cfg = Ltx2AudioVaeConfig.from_diffusers_config(config)
+    except ManifestError as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+    tol = case.tolerance
+    checks = []
+    for side in sides:
+        with exceptions_fail(checks, f"{case.name}/{side}:mel"):
+            vae = AUDIO_VAE_LOADERS[side](cfg, state)
+            enc_trace, dec_trace = TraceRecorder(), TraceRecorder()
+            moments = vae.encode(case.inputs["mel"], trace=enc_trace)
+            logvar = moments[:, cfg.latent_channels:].clamp(-30.0, 20.0)   # DiagonalGaussianDistribution's clamp
+            packed = case.inputs["packed"]
+            for name, got in (("latent_mean", vae.latent_mean(moments)), ("latent_std", torch.exp(0.5 * logvar)),
+                              ("mel", vae.decode(case.inputs["z"], trace=dec_trace)),
+                              ("normalized", vae.normalize(packed)), ("denormalized", vae.denormalize(packed))):
+                checks.append(tensor_check(f"{case.name}/{side}:{name}", got, case.outputs[name], tol))
+            checks += intermediate_checks(case, side, "latent_mean", enc_trace.records, tol)
+            checks += intermediate_checks(case, side, "mel", dec_trace.records, tol)
+    return checks
+
+
+MEDIA_GOLDEN_PROBES = {"ltx2.video_vae": video_vae_probe, "ltx2.audio_vae": audio_vae_probe}
