@@ -1,0 +1,221 @@
+"""Accelerations, speed and quality, in one process on the same weights and requests (issue 21 part 6).
+
+    python tools/bench_accel.py [--model golden/trained/wan_shapes] [--requests 4] [--repeats 1]
+
+Rows (each: wall seconds for the request set, ratio vs diffusers uncached, PSNR of the decoded frames vs the engine's
+exact frames of the same request and seed (worst request), prompt adherence on the set when the model is the
+trained one):
+
+    diffusers            WanPipeline.from_pretrained(the export: fvconvert export --to diffusers), no cache
+    diffusers+fbcache    diffusers 0.42.1 FirstBlockCache hook      (apply_first_block_cache)
+    diffusers+taylorseer diffusers 0.42.1 TaylorSeer (lite) hook    (apply_taylorseer_cache)
+    diffusers+magcache   diffusers 0.42.1 MagCache hook (ratios calibrated on this model by diffusers' own calibration run)
+    cache-dit DBCache    cache-dit 1.5.3 DBCache on the pipeline's transformer (skipped when cache_dit is missing)
+    engine exact         optimized Engine, prompt -> frames
+    engine+<accel>       the same with each acceleration (same knobs as the diffusers / cache-dit rows)
+
+The diffusers pipeline's tokenizer is a shim giving the model directory's own token ids (the trained model's
+word-level tokenizer is not a T5 tokenizer diffusers can load); the text encoder, scheduler, DiT, VAE and noise
+are diffusers' own. Without --model (or when it cannot be read) a tiny random-weight model is used and the table
+says so: random weights have no step redundancy, its quality numbers mean nothing about real models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ACCELS = {   # one knob set per kind, the same on the engine and the upstream rows
+    "fbcache": "fbcache:threshold=0.05",
+    "taylorseer": "taylorseer:interval=3,before=2",
+    "dbcache": "dbcache:fn=1,bn=0,threshold=0.08,warmup=2",
+}
+
+
+class IdsTokenizer:
+    """Stands in for the T5 tokenizer in diffusers' _get_t5_prompt_embeds: the model directory's own ids."""
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    def __call__(self, prompts, padding, max_length, truncation, add_special_tokens, return_attention_mask,
+                 return_tensors):
+        ids = torch.zeros(len(prompts), max_length, dtype=torch.int64)
+        mask = torch.zeros(len(prompts), max_length, dtype=torch.int64)
+        for row, p in enumerate(prompts):
+            t = self.proc.tokenize(p, max_length).ids[:max_length]
+            ids[row, :len(t)], mask[row, :len(t)] = t, 1
+        return SimpleNamespace(input_ids=ids, attention_mask=mask)
+
+
+def random_model(tmp: Path) -> Path:
+    from converters.pipeline import convert_pipeline
+    from tests.test_model_directory import write_wan_root
+    write_wan_root(tmp / "root")
+    convert_pipeline("wan", tmp / "root", tmp / "model", skip_parity=True)
+    return tmp / "model"
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    from parity.quality.image import psnr as p
+    return p(a, b, 1.0) if a.dtype != np.uint8 else p(a, b)
+
+
+def adherence(clips, captions) -> float | None:
+    if captions[0] is None:
+        return None
+    from parity.quality.adherence import adherence_rate, score_clip
+    return adherence_rate([score_clip(c, cap) for c, cap in zip(clips, captions)])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "golden" / "trained" / "wan_shapes")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per row (the best is kept)")
+    ap.add_argument("--skip-magcache", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+
+    import diffusers
+    from converters.export import export_diffusers
+    from manifests.checkpoint import read_checkpoint
+    from optimized import Engine
+    from reference.wan.processor import WanProcessor
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_accel-"))
+    try:
+        trained = a.model.is_dir() and (a.model / "model_index.json").is_file()
+        model = a.model if trained else random_model(tmp)
+        ckpt = read_checkpoint(model)
+        cfg = ckpt.typed_config()
+        if trained:
+            from parity.quality import HELD_OUT
+            from parity.quality.evaluate import FRAMES, GUIDANCE, SIZE, STEPS
+            reqs = [(r.caption, r.seed) for r in list(HELD_OUT)[:a.requests]]
+            frames, size, steps, guidance = FRAMES, SIZE, STEPS, GUIDANCE
+        else:
+            reqs = [(f"a cat number {i}", i) for i in range(a.requests)]
+            frames, size, steps, guidance = 5, (32, 32), 8, 5.0
+        captions = [c if trained else None for c, _ in reqs]
+        export_diffusers(model, tmp / "diffusers")
+        proc = WanProcessor(ckpt.assets["tokenizer"], cfg.max_sequence_length)
+
+        def diffusers_pipe():
+            pipe = diffusers.WanPipeline.from_pretrained(tmp / "diffusers", torch_dtype=torch.float32)
+            pipe.tokenizer = IdsTokenizer(proc)
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+
+        def run_diffusers(pipe, per_request_setup=None):
+            out = []
+            for cap, seed in reqs:
+                if per_request_setup:
+                    per_request_setup(pipe)
+                with torch.no_grad():
+                    v = pipe(prompt=cap, negative_prompt="", height=size[0], width=size[1], num_frames=frames,
+                             num_inference_steps=steps, guidance_scale=guidance,
+                             generator=torch.Generator().manual_seed(seed), output_type="np",
+                             max_sequence_length=cfg.max_sequence_length).frames[0]
+                out.append((np.clip(v, 0, 1) * 255).round().astype(np.uint8))
+            return out
+
+        engine = Engine.from_checkpoint(model)
+        engine.__dict__["checkpoint_path"] = str(model)
+
+        def run_engine(accel=None):
+            out = []
+            for cap, seed in reqs:
+                r = engine.generate(prompt=cap, negative_prompt="", num_frames=frames, height=size[0],
+                                    width=size[1], num_steps=steps, guidance_scale=guidance, seed=seed,
+                                    **({"accel": accel} if accel else {}))
+                f = r.frames
+                out.append(f.numpy() if hasattr(f, "numpy") else np.asarray(f))
+            return out
+
+        def timed(fn):
+            best, res = math.inf, None
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                res = fn()
+                best = min(best, time.perf_counter() - t0)
+            return best, res
+
+        rows = []
+        run_engine()                                   # warm-up (lazy init, caches)
+        t, exact = timed(run_engine)
+        rows.append(("engine exact", t, exact, ""))
+        for kind, spec in ACCELS.items():
+            t, clips = timed(lambda s=spec: run_engine(s))
+            rows.append((f"engine+{kind}", t, clips, spec))
+
+        pipe = diffusers_pipe()
+        run_diffusers(pipe)                            # warm-up
+        t, clips = timed(lambda: run_diffusers(pipe))
+        rows.insert(0, ("diffusers", t, clips, ""))
+        from diffusers.hooks import (FirstBlockCacheConfig, TaylorSeerCacheConfig, apply_first_block_cache,
+                                     apply_taylorseer_cache)
+        for kind, apply in (
+                ("fbcache", lambda p: apply_first_block_cache(p.transformer, FirstBlockCacheConfig(threshold=0.05))),
+                ("taylorseer", lambda p: apply_taylorseer_cache(p.transformer, TaylorSeerCacheConfig(
+                    cache_interval=3, disable_cache_before_step=2, use_lite_mode=True)))):
+            p = diffusers_pipe()
+            apply(p)
+            t, clips = timed(lambda: run_diffusers(p))
+            rows.append((f"diffusers+{kind}", t, clips, ACCELS[kind]))
+        try:
+            import cache_dit
+            from cache_dit import DBCacheConfig
+            p = diffusers_pipe()
+            cache_dit.enable_cache(p.transformer, cache_config=DBCacheConfig(
+                Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.08, max_warmup_steps=2,
+                enable_separate_cfg=True))
+            t, clips = timed(lambda: run_diffusers(p))
+            rows.append((f"cache-dit {cache_dit.__version__} DBCache", t, clips, ACCELS["dbcache"]))
+        except ImportError as e:
+            print(f"cache-dit not installed: its row is skipped ({e})", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - an upstream failure is a row that says so, not a crash
+            print(f"cache-dit DBCache failed on this pipeline: {type(e).__name__}: {e}", file=sys.stderr)
+
+        base = next(t for n, t, _, _ in rows if n == "diffusers")
+        table = []
+        for name, t, clips, spec in rows:
+            worst = min(psnr(e, c) for e, c in zip(exact, clips))
+            table.append({"row": name, "accel": spec, "wall_s": round(t, 3), "speedup_vs_diffusers": round(base / t, 3),
+                          "psnr_vs_engine_exact_db": "inf" if math.isinf(worst) else round(worst, 2),
+                          "adherence": adherence(clips, captions)})
+        meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "diffusers": diffusers.__version__,
+                "model": str(model) if trained else "tiny random weights (NOT the trained model)",
+                "requests": len(reqs), "frames": frames, "size": list(size), "steps": steps, "guidance": guidance}
+        print(json.dumps(meta))
+        print(f"| row | accel | wall s | x vs diffusers | PSNR vs engine exact (dB, worst) | adherence |")
+        print("|---|---|---|---|---|---|")
+        for r in table:
+            ad = "-" if r["adherence"] is None else f"{r['adherence'] * 100:.1f}%"
+            print(f"| {r['row']} | {r['accel'] or '-'} | {r['wall_s']} | {r['speedup_vs_diffusers']} | "
+                  f"{r['psnr_vs_engine_exact_db']} | {ad} |")
+        if a.json:
+            a.json.write_text(json.dumps({"meta": meta, "rows": table}, indent=1))
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
