@@ -21,6 +21,7 @@ import reference.ltx2.video_vae as ref_vae
 from manifests.errors import ManifestError
 from manifests.ltx2.audio_vae import (
     AUDIO_VAE_GAINS,
+    Ltx2AudioVaeConfig,
     audio_vae_key_shapes,
     load_audio_vae_variant,
 )
