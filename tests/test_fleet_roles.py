@@ -92,3 +92,12 @@ def test_process_fleet_is_bitwise_the_colocated_video(request_and_video):
     assert len(pids) == 3 and os.getpid() not in pids
     assert torch.equal(got.frames, co.frames) and torch.equal(got.latents["vision"], co.latents["vision"])
     assert all(t.live_segments() == set() for t in transports)            # every segment consumed and released
+
+
+@pytest.mark.slow
+def test_a_role_process_that_cannot_load_is_one_clear_error(tmp_path):
+    from optimized.fleet.roles import RoleFailed, RoleWorker
+    worker = RoleWorker(RoleSpec("denoiser", family="wan", model_dir=str(tmp_path / "missing")))
+    with pytest.raises(RoleFailed, match="^denoiser-0 failed to start: "):
+        worker.start()
+    assert worker.proc is None                                            # closed, nothing left running

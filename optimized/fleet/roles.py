@@ -146,9 +146,11 @@ def make_transport(kind: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
     raise ValueError(f"transport: a role process uses inprocess or shared_memory, got {kind!r}")
 
 
-def _serve(spec: RoleSpec, conn: Any, transport_kind: str) -> None:
+def _serve(spec: RoleSpec, conn: Any, transport_kind: str, threads: int) -> None:
     """The child process: load the role's engine, then answer stage calls until "stop"."""
-    torch.set_num_threads(1)          # the roles share the machine's cores; one thread each keeps them independent
+    # the parent's intra-op thread count: CPU kernels split their reductions by thread, so a role on another
+    # count is not bitwise the co-located engine (seen on cosmos3: 6e-7 with 1 thread)
+    torch.set_num_threads(threads)
     try:
         body = RoleEngine(spec)
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
@@ -196,17 +198,30 @@ class RoleWorker:
         return self.spec.replica_id
 
     def start(self) -> RoleWorker:
+        return self.launch().wait_ready()
+
+    def launch(self) -> RoleWorker:
+        """Spawn the replica's process (or build its body here); `wait_ready` then waits for its engine."""
         if not self.processes:
             self.body = RoleEngine(self.spec, self._engine)
             self.weights_version = self.body.weights_version
             return self
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(self.spec, child, self.transport_kind), daemon=True,
+        self.proc = ctx.Process(target=_serve, args=(self.spec, child, self.transport_kind, torch.get_num_threads()),
+                                daemon=True,
                                 name=f"fleet-{self.replica_id}")
         self.proc.start()
         child.close()
-        kind, version, detail = self.conn.recv()
+        return self
+
+    def wait_ready(self) -> RoleWorker:
+        if self.proc is None:
+            return self
+        try:
+            kind, version, detail = self.conn.recv()
+        except EOFError:
+            kind, version, detail = "error", None, f"{self.replica_id} exited before it was ready"
         if kind != "ready":
             self.close()
             raise RoleFailed(detail)
@@ -303,9 +318,12 @@ class LocalFleet:
 
     def start(self) -> LocalFleet:
         try:
+            for ws in self.workers.values():       # every process loads its engine at once, then each is awaited
+                for w in ws:
+                    w.launch()
             for ws in self.workers.values():
                 for w in ws:
-                    w.start()
+                    w.wait_ready()
         except BaseException:
             self.close()
             raise
