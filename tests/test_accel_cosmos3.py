@@ -195,11 +195,12 @@ def _view(d) -> dict:
             "blocks_reused": as_list(d.blocks_reused)}
 
 
-@pytest.mark.parametrize("kind", ["fbcache", "magcache"])
+@pytest.mark.parametrize("kind", ["fbcache", "magcache", "dbcache"])
 @pytest.mark.parametrize("side", ["reference", "engine"])
 def test_upstream_goldens_decisions_and_trajectory(kind, side):
-    """diffusers' own FBCache / MagCache hooks on Cosmos3OmniPipeline (tools/make_accel_cosmos3_goldens.py): each
-    side makes upstream's decisions and follows its vision trajectory step by step."""
+    """diffusers' own FBCache / MagCache hooks and cache-dit's DBCache on Cosmos3OmniPipeline
+    (tools/make_accel_cosmos3_goldens.py): each side makes upstream's decisions and follows its vision trajectory
+    step by step."""
     meta, cfg, state, request, want = _golden(kind)
     if side == "reference":
         from reference.cosmos3 import generate, load_transformer

@@ -13,7 +13,9 @@ Decisions are observed model-agnostically: which decoder layers' gen MLP (`mlp_m
 call (all: compute; layer 0 only: fbcache reuse; none: magcache reuse). Stored per case: accel.json (the spec, the
 steps, the decisions, the threshold margin) and outputs.safetensors (vision latents after every step). The
 fbcache threshold is placed mid-gap between the reference's uncached per-step diffs (reported as `margin`).
-dbcache (cache-dit) is not made: cache-dit is not installed here and ships no cosmos3 adapter we could check.
+    dbcache     cache-dit 1.5.3 enable_cache(pipe, DBCacheConfig(Fn, Bn=0, ..., enable_separate_cfg=True)) (its own
+                Cosmos3OmniPatchFunctor: the decision tracks gen_seq; its patched forward lacks `return_dict`, which
+                the pipeline passes: the keyword is dropped for the run)
 
 Upstream quirk (diffusers 0.42.1): the registry declares cosmos3's layer arguments as `gen_seq` / `und_seq`
 (TransformerBlockMetadata hidden_states_argument_name / encoder_hidden_states_argument_name), but
@@ -45,6 +47,7 @@ MAG_RATIOS = "1.0/0.995/0.99/0.985/0.98/0.975/0.97/0.96"
 CASES = {
     "fbcache": "fbcache:threshold={t}",
     "magcache": f"magcache:ratios={MAG_RATIOS},threshold=0.06,max_skip=2,retention=0.2",
+    "dbcache": "dbcache:fn=1,bn=0,threshold={t},warmup=2,max_continuous=2",
 }
 
 
@@ -120,10 +123,32 @@ def make_case(name: str, out_root: Path) -> dict:
     params["num_inference_steps"] = STEPS
     inputs = load_file(str(BASE / "inputs.safetensors"))
     transformer = load_transformer(up, BASE / "upstream", meta.get("dtype", "float32"))
-    if name == "fbcache":
+    if name == "dbcache":   # cache-dit wraps the pipeline (its Cosmos adapter patches the layers' contract)
+        import cache_dit
+        import make_generate_goldens
+        from cache_dit import DBCacheConfig
+        build = make_generate_goldens.build_pipeline
+        acc = g("max_accumulated_diff")
+        config = DBCacheConfig(
+            Fn_compute_blocks=int(g("fn")), Bn_compute_blocks=int(g("bn")),
+            residual_diff_threshold=float(g("threshold")), max_warmup_steps=int(g("warmup")),
+            warmup_interval=int(g("warmup_interval")), max_cached_steps=int(g("max_cached")),
+            max_continuous_cached_steps=int(g("max_continuous")), max_accumulated_residual_diff_threshold=acc,
+            enable_separate_cfg=True)
+
+        def build_cached(*args, **kwargs):
+            pipe = build(*args, **kwargs)
+            cache_dit.enable_cache(pipe, cache_config=config)
+            # (upstream quirk) cache-dit's patched Cosmos3 forward has no `return_dict`, which the pipeline passes
+            # (False: a tuple, what the patched forward returns anyway): drop the keyword, nothing else changes
+            forward = pipe.transformer.forward
+            pipe.transformer.forward = lambda *a, return_dict=False, **kw: forward(*a, **kw)
+            return pipe
+        make_generate_goldens.build_pipeline = build_cached
+    elif name == "fbcache":
         from diffusers.hooks import FirstBlockCacheConfig
         transformer.enable_cache(FirstBlockCacheConfig(threshold=float(g("threshold"))))
-    else:
+    elif name == "magcache":
         from diffusers.hooks import MagCacheConfig
         transformer.enable_cache(MagCacheConfig(threshold=float(g("threshold")), max_skip_steps=int(g("max_skip")),
                                                 retention_ratio=float(g("retention")), num_inference_steps=STEPS,
@@ -134,7 +159,11 @@ def make_case(name: str, out_root: Path) -> dict:
         layer.mlp_moe_gen.register_forward_hook(lambda *_a, i=i: ran[-1].add(i))
     transformer.register_forward_pre_hook(lambda *_a: ran.append(set()))
     image = bool(params["vision_condition_frames"])
-    res, _ = run_probe(up, transformer, params, inputs, 4242, image)
+    try:
+        res, _ = run_probe(up, transformer, params, inputs, 4242, image)
+    finally:
+        if name == "dbcache":
+            make_generate_goldens.build_pipeline = build
     decisions = []
     for call, layers in enumerate(ran):
         step, branch = divmod(call, 2)
@@ -154,9 +183,11 @@ def make_case(name: str, out_root: Path) -> dict:
     save_file({"trajectory_vision": res["trajectory_vision"].contiguous()}, str(out / "outputs.safetensors"))
     record = {"accel": spec.label(), "steps": STEPS, "base_case": "golden/cosmos3/gen_t2v", "margin": margin,
               "upstream": {"package": "diffusers", "version": up["diffusers"].__version__,
-                           "hook": "FirstBlockCacheConfig" if name == "fbcache" else "MagCacheConfig",
-                           "patched": "hook argument names mapped to the registry's gen_seq / und_seq "
-                                      "(tools/make_accel_cosmos3_goldens.py arg_name_fix)"},
+                           **({"cache_dit": __import__("cache_dit").__version__} if name == "dbcache" else {}),
+                           "hook": {"fbcache": "FirstBlockCacheConfig", "magcache": "MagCacheConfig",
+                                    "dbcache": "cache-dit DBCacheConfig"}[name],
+                           "patched": None if name == "dbcache" else "hook argument names mapped to the "
+                                      "registry's gen_seq / und_seq (tools/make_accel_cosmos3_goldens.py arg_name_fix)"},
               "decisions": decisions}
     (out / "accel.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
