@@ -7,7 +7,7 @@ Three parts, trained in order, each with the reference modules (reference/wan), 
 
     text encoder   a tiny UMT5, FROZEN at its seeded random init, over a word-level tokenizer of the caption grammar
                    (tokenizer.json in the `tokenizers` format: WordLevel, whitespace split, "</s>" appended, "<pad>")
-    VAE            a tiny Wan 2.1 VAE (4x spatial, 4x temporal, z 4) trained as an autoencoder on 9-frame 32x32 clips:
+    VAE            a tiny Wan 2.1 VAE (4x spatial, 4x temporal, z 8, base 8) trained as an autoencoder on 5-frame 32x32 clips:
                    foreground-weighted L1 + MSE on decode(posterior mode), a small penalty on the latents' scale
     DiT            a tiny Wan DiT trained with the wan objective (rectified flow: x_t = (1 - s) x0 + s noise, target
                    noise - x0, timestep 1000 s; s drawn uniformly then shifted by the scheduler's flow_shift), on the
@@ -56,7 +56,8 @@ class Recipe:
     threads: int = 1                             # one intra-op thread: deterministic kernels, and no
                                                  # oversubscription on a shared machine (2 threads ran 8x slower)
     size: int = 32
-    vae_frames: int = 9
+    vae_frames: int = 5                          # 1 + 4: the first frame alone and one causal chunk (known weakness:
+                                                 # a 9-frame clip's second chunk decodes poorly; 9 is the next try)
     dit_frames: tuple[int, ...] = (5, 9)        # alternating batches
     clips_per_caption: int = 6                   # data bank: training captions x seeds
     # text encoder (frozen random) and tokenizer
@@ -66,22 +67,22 @@ class Recipe:
                                                     dense_act_fn="gelu_new"))
     max_sequence_length: int = 16                # text tokens (captions have <= 8); see fix_max_sequence_length
     # VAE
-    vae: dict = field(default_factory=lambda: dict(z_dim=4, base_dim=4, decoder_base_dim=None, dim_mult=(1, 2, 2),
+    vae: dict = field(default_factory=lambda: dict(z_dim=8, base_dim=8, decoder_base_dim=None, dim_mult=(1, 2, 2),
                                                    num_res_blocks=1, temporal_downsample=(True, True),
                                                    is_residual=False, in_channels=3, out_channels=3, patch_size=1))
-    vae_steps: int = 250
+    vae_steps: int = 450
     vae_batch: int = 8
-    vae_lr: float = 3e-3
+    vae_lr: float = 2e-3
     vae_foreground_weight: float = 8.0
     vae_latent_penalty: float = 1e-3
     # DiT
-    dit: dict = field(default_factory=lambda: dict(num_heads=4, head_dim=16, in_channels=4, out_channels=4,
+    dit: dict = field(default_factory=lambda: dict(num_heads=4, head_dim=16, in_channels=8, out_channels=8,
                                                    text_dim=32, freq_dim=32, ffn_dim=128, num_layers=4,
                                                    patch_size=(1, 2, 2), cross_attn_norm=True,
                                                    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None,
                                                    added_kv_proj_dim=None, rope_max_seq_len=1024,
                                                    pos_embed_seq_len=None))
-    dit_steps: int = 800
+    dit_steps: int = 1400
     dit_batch: int = 16
     dit_lr: float = 2e-3
     dit_warmup: int = 50
@@ -270,7 +271,31 @@ def sha256sums(directory: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def train(recipe: Recipe) -> tuple[object, dict[str, dict[str, torch.Tensor]], list[dict], Path]:
+VAE_FIELDS = ("data_seed", "init_seed", "threads", "size", "vae_frames", "clips_per_caption", "vae", "vae_steps",
+              "vae_batch", "vae_lr", "vae_foreground_weight", "vae_latent_penalty")
+
+
+def reused_vae(directory: Path, recipe: Recipe, vae_cfg, log: list[dict]):
+    """The VAE of an earlier run of this tool whose recipe has the same VAE fields (its training is deterministic,
+    so it is the VAE this recipe would train); its loss rows are copied into `log`."""
+    from manifests.checkpoint import load_state, read_checkpoint
+    from reference.wan.vae import WanVAE
+    old = json.loads((directory / "recipe.json").read_text())
+    mine = json.loads(json.dumps(asdict(recipe)))
+    differ = [k for k in VAE_FIELDS if old.get(k) != mine.get(k)]
+    if differ:
+        raise SystemExit(f"error: --vae-from {directory}: its recipe differs in {', '.join(differ)}")
+    vae = WanVAE(vae_cfg)
+    state = load_state(read_checkpoint(directory), component="vae")
+    vae.load_state_dict({k: v for k, v in state.items()}, strict=True)
+    with open(directory / "loss.csv") as f:
+        log.extend({"stage": r["stage"], "step": int(r["step"]), "loss": float(r["loss"]), "lr": float(r["lr"])}
+                   for r in csv.DictReader(f) if r["stage"] == "vae")
+    return vae.eval()
+
+
+def train(recipe: Recipe, vae_from: Path | None = None
+          ) -> tuple[object, dict[str, dict[str, torch.Tensor]], list[dict], Path]:
     """Train everything; (WanModelConfig, canonical weights by component, loss log, tokenizer dir)."""
     from manifests.wan.config import WanVAEConfig
     from manifests.wan.dit import UMT5Config, WanDiTConfig
@@ -300,7 +325,7 @@ def train(recipe: Recipe) -> tuple[object, dict[str, dict[str, torch.Tensor]], l
                               "temporal_downsample": tuple(recipe.vae["temporal_downsample"])},
                            latents_mean=probe_mean, latents_std=probe_std).validate()
     vae_bank = clip_bank(captions, recipe.clips_per_caption, recipe.vae_frames, recipe.size, recipe.data_seed)
-    vae = train_vae(recipe, vae_cfg, vae_bank, log)
+    vae = reused_vae(vae_from, recipe, vae_cfg, log) if vae_from else train_vae(recipe, vae_cfg, vae_bank, log)
     print(f"vae trained in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
     raw = {f: encode_bank(vae, clip_bank(captions, recipe.clips_per_caption, f, recipe.size, recipe.data_seed + f))
@@ -348,6 +373,49 @@ def fix_max_sequence_length(out: Path, n: int) -> None:
         (out / path).write_text(json.dumps(data, indent=2) + "\n")   # converters.writer.json_bytes
 
 
+STRIP_PROMPTS = ("a red square moving right", "a green circle moving down quickly", "a blue triangle moving left",
+                 "a yellow circle moving up slowly")
+REDUNDANCY_PROMPT = "a red square moving right"
+
+
+def strip_png(engine, path: Path, frames: int = 9, every: int = 2, zoom: int = 3) -> None:
+    """A frame strip for the README: one row per STRIP_PROMPTS entry (engine, evaluate.FRAMES / STEPS / GUIDANCE
+    settings, seed 0), every `every`-th frame, nearest-upscaled by `zoom`, 2 px gaps."""
+    from PIL import Image
+    from parity.quality.evaluate import engine_clip
+    rows = [engine_clip(engine, p, 0, frames=frames)[::every] for p in STRIP_PROMPTS]
+    n, h, w = len(rows[0]), rows[0].shape[1] * zoom, rows[0].shape[2] * zoom
+    canvas = np.full((len(rows) * (h + 2) - 2, n * (w + 2) - 2, 3), 255, np.uint8)
+    for r, clip in enumerate(rows):
+        for c, frame in enumerate(clip):
+            canvas[r * (h + 2):r * (h + 2) + h, c * (w + 2):c * (w + 2) + w] = frame.repeat(zoom, 0).repeat(zoom, 1)
+    Image.fromarray(canvas).save(path, optimize=True)
+
+
+def step_redundancy(engine_dir: Path) -> dict:
+    """Per-step relative change of the DiT's (cond-branch) output, |v_i - v_(i-1)| / |v_(i-1)|, on one prompt with
+    the reference pipeline at the evaluation settings: how much a step cache has to work with."""
+    from manifests.checkpoint import load_state, read_checkpoint
+    from parity.quality.evaluate import FRAMES, GUIDANCE, SIZE, STEPS
+    from reference.wan.pipeline import WanReferencePipeline
+    from reference.wan.processor import WanProcessor
+    ckpt = read_checkpoint(engine_dir)
+    ref = WanReferencePipeline(ckpt.typed_config(), {n: load_state(ckpt, component=n) for n in ckpt.components})
+    req = WanProcessor(ckpt.assets["tokenizer"]).build_request(
+        REDUNDANCY_PROMPT, None, None, num_frames=FRAMES, height=SIZE[0], width=SIZE[1], steps=STEPS,
+        guidance=GUIDANCE, seed=0)
+    outputs = []
+    hook = ref.transformer.register_forward_hook(lambda _m, _i, out: outputs.append(out.detach().clone()))
+    try:
+        ref.generate(req)
+    finally:
+        hook.remove()
+    cond = outputs[0::2] if req.uses_cfg else outputs      # cond then uncond per step (the reference's order)
+    change = [float((b - a).norm() / a.norm()) for a, b in zip(cond[:-1], cond[1:])]
+    return {"prompt": REDUNDANCY_PROMPT, "steps": STEPS, "guidance": GUIDANCE, "frames": FRAMES,
+            "rel_change_per_step": [round(c, 4) for c in change]}
+
+
 def write_model(out: Path, recipe: Recipe, cfg, weights, log: list[dict], tok_dir: Path, seconds: float) -> None:
     from converters.pipeline import convert_pipeline
     with tempfile.TemporaryDirectory(prefix="wan_shapes_root_") as tmp:
@@ -365,6 +433,16 @@ def write_model(out: Path, recipe: Recipe, cfg, weights, log: list[dict], tok_di
             w.writeheader()
             for r in log:
                 w.writerow({"stage": r["stage"], "step": r["step"], "loss": f"{r['loss']:.6g}", "lr": f"{r['lr']:.6g}"})
+        from optimized import Engine
+        from parity.quality.evaluate import held_out_adherence
+        engine = Engine.from_checkpoint(staged)
+        strip_png(engine, staged / "strip.png")
+        held = held_out_adherence(engine)
+        quality = {"held_out_adherence": held.rate, "held_out_all_correct": held.all_correct,
+                   "settings": held.settings, "failures": [s.to_dict() for s in held.scores if not s.all_ok],
+                   "step_redundancy": step_redundancy(staged)}
+        (staged / "quality.json").write_text(json.dumps(quality, indent=1) + "\n")
+        print(f"held-out adherence {held.rate:.3f} (all correct {held.all_correct:.3f})", file=sys.stderr)
         (staged / "SHA256SUMS").write_text(sha256sums(staged))
         if out.exists():
             shutil.rmtree(out)
@@ -378,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short", action="store_true", help="the shortened recipe (seconds; the slow test's)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a scalar recipe field (e.g. dit_steps=800); repeatable")
+    p.add_argument("--vae-from", metavar="DIR", help="reuse the VAE of an earlier output of this tool whose recipe "
+                   "has the same VAE fields (iterating on the DiT recipe)")
     args = p.parse_args(argv)
     recipe = Recipe.short() if args.short else Recipe()
     for item in args.set:
@@ -387,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         setattr(recipe, key, type(getattr(recipe, key))(value))
     t0 = time.time()
-    cfg, weights, log, tok_dir = train(recipe)
+    cfg, weights, log, tok_dir = train(recipe, Path(args.vae_from) if args.vae_from else None)
     write_model(Path(args.out), recipe, cfg, weights, log, tok_dir, time.time() - t0)
     print(f"wrote {args.out} in {time.time() - t0:.0f}s", file=sys.stderr)
     return 0

@@ -1,0 +1,160 @@
+"""The committed trained model golden/trained/wan_shapes (tools/train_tiny.py): its files match SHA256SUMS, the
+reference and the engine give the same latents on one prompt from the directory (C1 tolerance; another prompt is
+the negative control), the engine's held-out adherence is the one recorded at training time and follows the
+captions, fvgen's demo prompt makes a red clip moving right, and (slow) a shortened recipe re-runs
+deterministically. Not reached by the committed model (strict xfail, flips to a failure once a model reaches it):
+>= 90% held-out adherence, and the demo clip read as a square."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from manifests.checkpoint import load_state, read_checkpoint
+from manifests.parity import load_parity_contract
+from parity.metrics import compare, within
+from parity.quality import HELD_OUT, score_clip
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "golden" / "trained" / "wan_shapes"
+ADHERENCE_TARGET = 0.90
+ADHERENCE_FLOOR = 0.55       # regression floor for the committed model (measured 0.604); chance is 0.28
+
+
+def test_files_match_sha256sums():
+    listed = {}
+    for line in (MODEL / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        listed[name] = digest
+    on_disk = {p.relative_to(MODEL).as_posix() for p in MODEL.rglob("*") if p.is_file() and p.name != "SHA256SUMS"}
+    assert set(listed) == on_disk
+    for name, digest in listed.items():
+        assert hashlib.sha256((MODEL / name).read_bytes()).hexdigest() == digest, name
+    size = sum((MODEL / n).stat().st_size for n in on_disk)
+    assert size < 10 * 2 ** 20, size
+    recipe = json.loads((MODEL / "recipe.json").read_text())
+    assert "data_seed" in recipe and recipe["dit_steps"] > 0
+    sys.path.insert(0, str(ROOT / "tools"))
+    import dataclasses
+    import train_tiny
+    defaults = json.loads(json.dumps(dataclasses.asdict(train_tiny.Recipe())))
+    assert {k: recipe[k] for k in defaults} == defaults      # the committed model is the tool's default recipe
+    ckpt = read_checkpoint(MODEL)
+    assert ckpt.family == "wan" and set(ckpt.components) == {"transformer", "text_encoder", "vae"}
+    assert ckpt.weights_version.startswith("sha256:")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    pytest.importorskip("tokenizers")
+    from optimized import Engine
+    return Engine.from_checkpoint(MODEL)
+
+
+def _reference_latents(prompt: str, seed: int, frames: int, steps: int, guidance: float) -> torch.Tensor:
+    from reference.wan.pipeline import WanReferencePipeline
+    from reference.wan.processor import WanProcessor
+    ckpt = read_checkpoint(MODEL)
+    cfg = ckpt.typed_config()
+    req = WanProcessor(ckpt.assets["tokenizer"]).build_request(
+        prompt, None, None, num_frames=frames, height=32, width=32, steps=steps, guidance=guidance, seed=seed)
+    ref = WanReferencePipeline(cfg, {n: load_state(ckpt, component=n) for n in ckpt.components})
+    return ref.generate(req).latents
+
+
+def test_reference_and_engine_latents_agree(engine):
+    prompt, seed, frames, steps, guidance = "a green circle moving up", 3, 9, 6, 4.0
+    latents = engine.generate(prompt=prompt, num_frames=frames, height=32, width=32, num_steps=steps,
+                              guidance_scale=guidance, seed=seed).latents     # by modality
+    got = latents["vision"] if "vision" in latents else next(iter(latents.values()))
+    want = _reference_latents(prompt, seed, frames, steps, guidance)
+    tol = load_parity_contract("wan").tolerance("C1", "float32", "cpu")
+    m = compare(got.reshape(want.shape), want)
+    assert within(m, tol), m
+    other = _reference_latents("a blue square moving left", seed, frames, steps, guidance)   # negative control
+    assert not within(compare(got.reshape(other.shape), other), tol)
+
+
+@pytest.fixture(scope="module")
+def held_out(engine):
+    from parity.quality import held_out_adherence
+    return held_out_adherence(engine, HELD_OUT)
+
+
+def test_held_out_adherence_is_the_recorded_one_and_caption_specific(held_out):
+    """The engine reproduces the adherence recorded in quality.json at training time (same settings), far above
+    chance (colour 1/4, shape 1/3, direction 1/4: 0.28); scored against the WRONG captions (each clip against
+    another held-out caption with every attribute different) the same clips score low: adherence follows the prompt."""
+    quality = json.loads((MODEL / "quality.json").read_text())
+    assert held_out.settings == quality["settings"]
+    assert held_out.rate == pytest.approx(quality["held_out_adherence"], abs=1e-12)
+    assert held_out.rate >= ADHERENCE_FLOOR
+    from parity.quality import adherence_rate, parse_caption
+    from parity.quality.shapes import Caption
+    wrong = []
+    for s in held_out.scores:
+        c = parse_caption(s.caption)
+        other = Caption({"red": "blue", "green": "yellow", "blue": "red", "yellow": "green"}[c.colour],
+                        {"square": "triangle", "circle": "square", "triangle": "circle"}[c.shape],
+                        {"left": "right", "right": "left", "up": "down", "down": "up"}[c.direction])
+        measured = Caption(*(s.verdicts[n].measured for n in ("colour", "shape", "direction")))
+        wrong.append(sum(getattr(measured, n) == getattr(other, n) for n in ("colour", "shape", "direction")) / 3)
+    assert float(np.mean(wrong)) < held_out.rate - 0.3
+
+
+@pytest.mark.xfail(strict=True, reason="target not reached by the committed model: held-out adherence 0.604 "
+                   "(shapes decode as blobs, read as circles; see quality.json)")
+def test_held_out_adherence_reaches_the_target(held_out):
+    assert held_out.rate >= ADHERENCE_TARGET, json.dumps(held_out.to_dict(), indent=1)
+
+
+@pytest.fixture(scope="module")
+def demo_frames(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    from parity.artifacts import read_png_frames
+    out = tmp_path_factory.mktemp("demo") / "frames"
+    p = subprocess.run([sys.executable, "-m", "optimized.serving.fvgen", "wan", "--model", str(MODEL), "--prompt",
+                        "a red square moving right", "--out", str(out), "--quiet"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return read_png_frames(out)
+
+
+def test_fvgen_demo_prompt_is_red_and_moves_right(demo_frames):
+    s = score_clip(demo_frames, "a red square moving right")
+    assert s.verdicts["colour"].measured == "red" and s.verdicts["direction"].measured == "right", s.to_dict()
+    wrong = score_clip(demo_frames, "a blue circle moving left")      # negative control: another caption
+    assert not wrong.verdicts["colour"].ok and not wrong.verdicts["direction"].ok
+
+
+@pytest.mark.xfail(strict=True, reason="the committed model's demo clip reads as a circle (blurry corners)")
+def test_fvgen_demo_prompt_is_a_square(demo_frames):
+    assert score_clip(demo_frames, "a red square moving right").verdicts["shape"].measured == "square"
+
+
+@pytest.mark.slow
+def test_short_recipe_is_deterministic_and_learns(tmp_path):
+    pytest.importorskip("tokenizers")
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_tiny
+    runs = []
+    for _ in range(2):
+        cfg, weights, log, _tok = train_tiny.train(train_tiny.Recipe.short())
+        runs.append((weights, log))
+    (w1, log1), (w2, log2) = runs
+    for comp in w1:
+        assert w1[comp].keys() == w2[comp].keys()
+        for k in w1[comp]:
+            assert torch.equal(w1[comp][k], w2[comp][k]), (comp, k)
+    assert [r["loss"] for r in log1] == [r["loss"] for r in log2]
+    for stage in ("vae", "dit"):
+        losses = np.array([r["loss"] for r in log1 if r["stage"] == stage])
+        k = max(1, len(losses) // 4)
+        assert losses[-k:].mean() < losses[:k].mean(), (stage, losses)
