@@ -147,7 +147,9 @@ def test_unsupported_kinds_and_setups_refused(tiny):
         with pytest.raises(ValueError, match="exceeds the DiT's 3 blocks"):
             run(too_deep)
         # upstream TaylorSeer (lite) on cosmos3 predicts the vision head alone and skips no layer
-        with pytest.raises(ValueError, match="taylorseer is refused on cosmos3: .*proj_out"):
+        # either message: the kind's loops may stop listing cosmos3.denoise (requested of manifests/accel)
+        with pytest.raises(ValueError, match="taylorseer (is refused on cosmos3: .*proj_out|does not apply to the "
+                                             "cosmos3)"):
             run(default_request(cfg, parse_accel("taylorseer"), STEPS, 0))
         # cache-dit would feed the Bn layers a cached text stream
         with pytest.raises(ValueError, match="dbcache on cosmos3 needs bn=0"):
@@ -174,7 +176,7 @@ def test_trace_step_info_shows_the_decisions(tiny):
 
 # ------------------------------------------------------------------------------------------------ upstream goldens
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "accel_cosmos3"
-GOLDEN_REL_L2 = 1e-4   # the contract's C1 fp32 loop tolerance (the exact gen_t2v anchor itself holds 1e-5)
+GOLDEN_REL_L2 = 1e-5   # as the exact gen_t2v anchor; measured <= 1e-6 on both sides (fp32 CPU)
 
 
 def _golden(kind: str):
