@@ -1,5 +1,5 @@
 """ltx2 media components at C0: the video VAE's decode (plain and timestep-conditioned) and encode, the audio VAE's
-decode (plain and with attention) and encode agree between reference and optimized on random weights; every planted fault fails C0 naming its module; the latent statistics
+decode (plain and with attention) and encode, and the vocoder agree between reference and optimized on random weights; every planted fault fails C0 naming its module; the latent statistics
 round-trip; bad configs are refused by name."""
 
 import pytest
@@ -31,7 +31,8 @@ def test_media_c0_passes_on_every_forward():
                      "video_vae.decode_tc/tiny-tc/fp32/forward", "video_vae.encode/tiny/fp32/forward",
                      "video_vae.encode/tiny-tc/fp32/forward", "audio_vae.decode/tiny/fp32/forward",
                      "audio_vae.decode/tiny-attn/fp32/forward", "audio_vae.decode_attn/tiny-attn/fp32/forward",
-                     "audio_vae.encode/tiny/fp32/forward", "audio_vae.encode/tiny-attn/fp32/forward"]
+                     "audio_vae.encode/tiny/fp32/forward", "audio_vae.encode/tiny-attn/fp32/forward",
+                     "vocoder/tiny/fp32/forward"]
 
 
 @pytest.mark.parametrize("fault", sorted(MEDIA_FAULTS))
@@ -126,7 +127,11 @@ def test_released_size_shapes():
 def test_audio_vae_decoded_shape_and_packed_statistics():
     """decode gives 4 T - 3 frames and mel_bins bins on both sides; the pipeline's audio latent statistics act on
     the packed [B, T, L * F] latents: (x - mean) / std, and pack / unpack are inverse."""
-    from manifests.ltx2.audio_vae import AUDIO_VAE_GAINS, audio_vae_key_shapes, load_audio_vae_variant
+    from manifests.ltx2.audio_vae import (
+        AUDIO_VAE_GAINS,
+        audio_vae_key_shapes,
+        load_audio_vae_variant,
+    )
     from optimized.models.ltx2 import audio_vae as opt_avae
     from reference.ltx2 import audio_vae as ref_avae
     cfg = load_audio_vae_variant("tiny")
@@ -142,3 +147,24 @@ def test_audio_vae_decoded_shape_and_packed_statistics():
     for side in (ref, opt):
         torch.testing.assert_close(side.normalize(packed), want)
         torch.testing.assert_close(side.denormalize(side.normalize(packed)), packed, rtol=1e-5, atol=1e-5)
+
+
+def test_vocoder_waveform_length_and_refused_configs():
+    """Released kernels / strides give exactly T * 240 samples (24 kHz from 100 mel frames/s); the snake /
+    anti-aliased vocoder (LTX-2.3) is refused by name."""
+    import dataclasses
+
+    from manifests.ltx2.vocoder import VARIANTS as VOC
+    from manifests.ltx2.vocoder import load_vocoder_variant, vocoder_key_shapes
+    from optimized.models.ltx2 import vocoder as opt_voc
+    cfg = load_vocoder_variant("upstream-default")
+    assert cfg.total_upsample_factor == 240 and cfg.output_sampling_rate == 24000
+    for k, s in zip(cfg.upsample_kernel_sizes, cfg.upsample_factors):
+        assert (10 - 1) * s - 2 * ((k - s) // 2) + k == 10 * s          # ConvTranspose1d output length
+    with pytest.raises(ManifestError, match="snakebeta"):
+        dataclasses.replace(VOC["tiny"], act_fn="snakebeta").validate()
+    tiny = load_vocoder_variant("tiny")
+    state = random_state_dict(vocoder_key_shapes(tiny), 0, gain_init(()))
+    with torch.no_grad():
+        wav = opt_voc.load_vocoder(tiny, state).vocode(torch.randn(1, 2, 9, 16))
+    assert wav.shape == (1, 2, 37) and wav.abs().max() <= 1.0        # tiny kernels 4, 5 at stride 2: 2T, then 2T + 1; tanh

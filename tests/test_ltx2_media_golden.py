@@ -11,8 +11,10 @@ import torch
 from parity.families.ltx2.media import (
     AUDIO_VAE_LOADERS,
     VIDEO_VAE_LOADERS,
+    VOCODER_LOADERS,
     audio_vae_probe,
     video_vae_probe,
+    vocoder_probe,
 )
 from parity.golden import load_case, run_probe
 
@@ -120,3 +122,34 @@ def test_audio_variants_and_key_shapes_equal_upstream(variant):
     with torch.device("meta"):
         up = diffusers.AutoencoderKLLTX2Audio(**cfg.to_dict())
     assert {k: tuple(v.shape) for k, v in up.state_dict().items()} == audio_vae_key_shapes(cfg)
+
+
+def test_vocoder_golden_passes_both_sides():
+    checks = run_probe(vocoder_probe, load_case(GOLDEN / "vocoder_tiny"), ("reference", "optimized"))
+    assert checks and all(c.passed for c in checks), [(c.name, c.detail) for c in checks if not c.passed]
+    assert {c.name for c in checks} >= {f"vocoder_tiny/{s}:waveform{o}" for s in ("reference", "optimized")
+                                         for o in ("", "@intermediates")}
+
+
+def test_a_planted_vocoder_weight_fails_the_golden_naming_its_stage(monkeypatch):
+    real = VOCODER_LOADERS["optimized"]
+    key = "upsamplers.1.weight"
+    monkeypatch.setitem(VOCODER_LOADERS, "optimized",
+                        lambda cfg, state, *a, **kw: real(cfg, {**state, key: state[key] * 1.5}, *a, **kw))
+    checks = run_probe(vocoder_probe, load_case(GOLDEN / "vocoder_tiny"), ("reference", "optimized"))
+    failed = [c for c in checks if not c.passed]
+    assert failed and all("/optimized:" in c.name for c in failed)
+    assert [c.divergence for c in failed if c.name.endswith("@intermediates")] == ["upsamplers.1"]
+
+
+@pytest.mark.upstream
+@pytest.mark.parametrize("variant", ["tiny", "upstream-default"])
+def test_vocoder_variants_and_key_shapes_equal_upstream(variant):
+    pytest.importorskip("diffusers")
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    from manifests.ltx2.vocoder import load_vocoder_variant, vocoder_key_shapes
+    cfg = load_vocoder_variant(variant)
+    with torch.device("meta"):
+        up = LTX2Vocoder(**cfg.to_dict())
+    assert {k: tuple(v.shape) for k, v in up.state_dict().items()} == vocoder_key_shapes(cfg)

@@ -51,6 +51,13 @@ AUDIO_CASES = {
                        "norm_type": "pixel", "causality_axis": "height", "mid_block_add_attention": True,
                        "mel_bins": 16, "double_z": True},
 }
+# vocoder: LTX-2.0's HiFi-GAN (leaky ReLU) with an even and an odd resblock kernel and an odd upsample kernel
+VOCODER_CASES = {
+    "vocoder_tiny": {"in_channels": 32, "hidden_channels": 16, "out_channels": 2, "upsample_kernel_sizes": [4, 5],
+                     "upsample_factors": [2, 2], "resnet_kernel_sizes": [3, 4], "resnet_dilations": [[1, 3], [1, 2]],
+                     "act_fn": "leaky_relu", "leaky_relu_negative_slope": 0.1, "antialias": False,
+                     "final_act_fn": "tanh", "final_bias": True, "output_sampling_rate": 24000},
+}
 SEED = 0
 
 
@@ -180,6 +187,30 @@ def make_audio_case(out_root: Path, name: str, cfg: dict) -> Path:
                        "LTX2Pipeline packed audio latent (de)normalisation"})
 
 
+def make_vocoder_case(out_root: Path, name: str, cfg: dict) -> Path:
+    import diffusers
+    import torch
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    torch.manual_seed(SEED)
+    vocoder = LTX2Vocoder(**cfg).eval()
+    g = torch.Generator().manual_seed(SEED + 1)
+    mel = torch.randn(2, 2, 9, cfg["in_channels"] // 2, generator=g)
+    names = ["conv_in"] + [f"upsamplers.{i}" for i in range(len(cfg["upsample_factors"]))] + ["conv_out"]
+    modules, traced = dict(vocoder.named_modules()), {}
+    hooks = [modules[n].register_forward_hook(lambda mod, a, out, n=n: traced.__setitem__(n, out.detach().clone()))
+             for n in names]
+    with torch.no_grad():
+        wav = vocoder(mel)
+    for h in hooks:
+        h.remove()
+    return _write(out_root, name, vocoder, {"mel": mel},
+                  {"waveform": wav, **{f"waveform@{n}": traced[n] for n in names}}, {
+        "probe": "ltx2.vocoder", "class_name": "LTX2Vocoder", "diffusers": diffusers.__version__,
+        "torch": torch.__version__, "intermediates": [f"waveform@{n}" for n in names],
+        "description": f"LTX2Vocoder {name}: mel spectrogram -> waveform (HiFi-GAN, leaky ReLU)"})
+
+
 def _write(out_root: Path, name: str, model, inputs: dict, outputs: dict, info: dict) -> Path:
     from safetensors.torch import save_file
 
@@ -220,6 +251,8 @@ def main(argv: list[str]) -> int:
         print(make_case(out_root, name, cfg))
     for name, cfg in AUDIO_CASES.items():
         print(make_audio_case(out_root, name, cfg))
+    for name, cfg in VOCODER_CASES.items():
+        print(make_vocoder_case(out_root, name, cfg))
     return 0
 
 

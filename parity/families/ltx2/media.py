@@ -1,4 +1,4 @@
-"""ltx2 media components (the video VAE here; audio VAE and vocoder to come) at C0: reference vs optimized on the
+"""ltx2 media components (video VAE, audio VAE, vocoder) at C0: reference vs optimized on the
 same random canonical weights, first divergent module named, planted faults (one weight scaled on the optimized
 side) that C0 must catch and localise.
 
@@ -16,8 +16,10 @@ import torch
 
 import optimized.models.ltx2.audio_vae as opt_avae
 import optimized.models.ltx2.video_vae as opt_vae
+import optimized.models.ltx2.vocoder as opt_voc
 import reference.ltx2.audio_vae as ref_avae
 import reference.ltx2.video_vae as ref_vae
+import reference.ltx2.vocoder as ref_voc
 from manifests.errors import ManifestError
 from manifests.ltx2.audio_vae import (
     AUDIO_VAE_GAINS,
@@ -30,6 +32,12 @@ from manifests.ltx2.video_vae import (
     Ltx2VideoVaeConfig,
     load_video_vae_variant,
     video_vae_key_shapes,
+)
+from manifests.ltx2.vocoder import (
+    VOCODER_GAINS,
+    Ltx2VocoderConfig,
+    load_vocoder_variant,
+    vocoder_key_shapes,
 )
 from parity.errors import SetupError
 from parity.family import golden_probe
@@ -66,10 +74,20 @@ def audio_encode_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
     return {"mel": torch.randn(2, cfg.in_channels, 17, cfg.mel_bins or 16, generator=g)}
 
 
+def vocoder_inputs(cfg, seed: int) -> dict[str, torch.Tensor]:
+    """A mel spectrogram [2, C, 9 frames, F] with C * F = in_channels (C = 2: LTX-2's stereo)."""
+    g = torch.Generator().manual_seed(seed + 505)
+    return {"mel": torch.randn(2, 2, 9, cfg.in_channels // 2, generator=g)}
+
+
+COMPONENTS = {"video": (load_video_vae_variant, video_vae_key_shapes, VIDEO_VAE_GAINS),
+              "audio": (load_audio_vae_variant, audio_vae_key_shapes, AUDIO_VAE_GAINS),
+              "vocoder": (load_vocoder_variant, vocoder_key_shapes, VOCODER_GAINS)}
+
+
 def _sides(make_inputs, reference, optimized, variants, fault_key, fault_layer, extra=(),
            component: str = "video") -> PortedSides:
-    load, shapes, gains = ((load_video_vae_variant, video_vae_key_shapes, VIDEO_VAE_GAINS) if component == "video"
-                           else (load_audio_vae_variant, audio_vae_key_shapes, AUDIO_VAE_GAINS))
+    load, shapes, gains = COMPONENTS[component]
     return PortedSides(family="ltx2", load_variant=load, key_shapes=shapes, gains=gains, make_inputs=make_inputs,
                        reference=reference, optimized=optimized, default_variants=variants, fault_key=fault_key,
                        fault_layer=fault_layer, extra_faults=extra)
@@ -102,9 +120,14 @@ AUDIO_ENCODE = _sides(audio_encode_inputs, ref_avae.load_audio_encoder, opt_avae
                       ("tiny", "tiny-attn"), "encoder.down.1.downsample.conv.weight", "encoder.down.1",
                       extra=(("encoder.conv_out.conv.bias", "encoder.conv_out"),), component="audio")
 
+VOCODER = _sides(vocoder_inputs, ref_voc.load_vocoder, opt_voc.load_vocoder, ("tiny",), "upsamplers.1.weight",
+                 "upsamplers.1", extra=(("resnets.1.convs1.1.weight", "resnets.1"),   # stage 0's second resblock
+                                        ("conv_out.weight", "conv_out")), component="vocoder")
+
 MEDIA_SIDES: dict[str, PortedSides] = {"video_vae.decode": VIDEO_DECODE, "video_vae.decode_tc": VIDEO_DECODE_TC,
                                        "video_vae.encode": VIDEO_ENCODE, "audio_vae.decode": AUDIO_DECODE,
-                                       "audio_vae.decode_attn": AUDIO_DECODE_ATTN, "audio_vae.encode": AUDIO_ENCODE}
+                                       "audio_vae.decode_attn": AUDIO_DECODE_ATTN, "audio_vae.encode": AUDIO_ENCODE,
+                                       "vocoder": VOCODER}
 # fault name (unique across the media forwards) -> (forward, weight scaled, module C0 must name)
 MEDIA_FAULTS: dict[str, tuple[str, str, str]] = {
     f"{forward}:{name}": (forward, key, layer)
@@ -199,4 +222,26 @@ def audio_vae_probe(case, sides: tuple[str, ...]):
     return checks
 
 
-MEDIA_GOLDEN_PROBES = {"ltx2.video_vae": video_vae_probe, "ltx2.audio_vae": audio_vae_probe}
+VOCODER_LOADERS = {"reference": ref_voc.load_vocoder, "optimized": opt_voc.load_vocoder}
+
+
+@golden_probe(required=("waveform",), optional=("waveform@*",))
+def vocoder_probe(case, sides: tuple[str, ...]):
+    """A case of tools/make_ltx2_media_goldens.py: LTX2Vocoder's waveform of `mel`, every stage against upstream's."""
+    config, state = read_diffusers_dir(case)
+    try:
+        cfg = Ltx2VocoderConfig.from_diffusers_config(config)
+    except ManifestError as e:
+        raise SetupError(f"golden case {case.path}: {e}") from None
+    checks = []
+    for side in sides:
+        with exceptions_fail(checks, f"{case.name}/{side}:waveform"):
+            trace = TraceRecorder()
+            wav = VOCODER_LOADERS[side](cfg, state).vocode(case.inputs["mel"], trace=trace)
+            checks.append(tensor_check(f"{case.name}/{side}:waveform", wav, case.outputs["waveform"], case.tolerance))
+            checks += intermediate_checks(case, side, "waveform", trace.records, case.tolerance)
+    return checks
+
+
+MEDIA_GOLDEN_PROBES = {"ltx2.video_vae": video_vae_probe, "ltx2.audio_vae": audio_vae_probe,
+                       "ltx2.vocoder": vocoder_probe}
