@@ -112,7 +112,7 @@ def source_key(manifest: CheckpointManifest, canonical: str, config: dict) -> tu
                 continue
             groups = {k[1:]: v for k, v in m.groupdict().items()}
             try:
-                cand = _GROUP.sub(lambda g: groups[g.group(1) or g.group(2)], src_t)
+                cand = _GROUP.sub(lambda g, gs=groups: gs[g.group(1) or g.group(2)], src_t)
             except KeyError:
                 continue
         got_rule, got = manifest.match(manifest.normalize_key(cand), config)

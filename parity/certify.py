@@ -32,10 +32,11 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import click
 import numpy as np
@@ -243,7 +244,7 @@ def _quality(rs: RequestSet, exact: list[dict], fast: list[dict]) -> tuple[dict,
             fa_out.append(va.astype(np.float64) / 255)
         else:   # latents [1, C, F, h, w] as F frames of C channels, on the exact latents' range
             lo, hi = float(xe.min()), float(xe.max())
-            to = lambda x: ((x[0].permute(1, 2, 3, 0) - lo) / max(hi - lo, 1e-12)).numpy()   # noqa: E731
+            to = lambda x, lo=lo, hi=hi: ((x[0].permute(1, 2, 3, 0) - lo) / max(hi - lo, 1e-12)).numpy()  # noqa: E731
             q, on = video_quality(to(xe), to(xa), 1.0), "latents (scaled by the exact latents' range)"
             ex_out.append(xe.numpy())
             fa_out.append(xa.numpy())
@@ -422,5 +423,15 @@ def certify_cmd(family: str, accel: str, checkpoint: Path | None, out: Path | No
     raise SystemExit(0 if cert.passed else 1)
 
 
-__all__ = ["CERT_SCHEMA", "Certificate", "CertifyError", "FAULTS", "certify", "certify_cmd", "parse_budget",
-           "placeholder_set", "held_out_set", "write_certificate"]
+__all__ = [
+    "CERT_SCHEMA",
+    "FAULTS",
+    "Certificate",
+    "CertifyError",
+    "certify",
+    "certify_cmd",
+    "held_out_set",
+    "parse_budget",
+    "placeholder_set",
+    "write_certificate",
+]

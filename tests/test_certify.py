@@ -14,7 +14,14 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from parity.certify import CERT_SCHEMA, CertifyError, certify, certify_cmd, parse_budget, placeholder_set
+from parity.certify import (
+    CERT_SCHEMA,
+    CertifyError,
+    certify,
+    certify_cmd,
+    parse_budget,
+    placeholder_set,
+)
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
 
     import diffusers
+
     from converters.export import export_diffusers
     from manifests.checkpoint import read_checkpoint
     from optimized import Engine
@@ -168,15 +169,19 @@ def main(argv=None) -> int:
         run_diffusers(pipe)                            # warm-up
         t, clips = timed(lambda: run_diffusers(pipe))
         rows.insert(0, ("diffusers", t, clips, ""))
-        from diffusers.hooks import (FirstBlockCacheConfig, TaylorSeerCacheConfig, apply_first_block_cache,
-                                     apply_taylorseer_cache)
+        from diffusers.hooks import (
+            FirstBlockCacheConfig,
+            TaylorSeerCacheConfig,
+            apply_first_block_cache,
+            apply_taylorseer_cache,
+        )
         for kind, apply in (
                 ("fbcache", lambda p: apply_first_block_cache(p.transformer, FirstBlockCacheConfig(threshold=0.05))),
                 ("taylorseer", lambda p: apply_taylorseer_cache(p.transformer, TaylorSeerCacheConfig(
                     cache_interval=3, disable_cache_before_step=2, use_lite_mode=True)))):
             p = diffusers_pipe()
             apply(p)
-            t, clips = timed(lambda: run_diffusers(p))
+            t, clips = timed(lambda p=p: run_diffusers(p))
             rows.append((f"diffusers+{kind}", t, clips, ACCELS[kind]))
         try:
             import cache_dit
@@ -204,7 +209,7 @@ def main(argv=None) -> int:
                 "model": str(model) if trained else "tiny random weights (NOT the trained model)",
                 "requests": len(reqs), "frames": frames, "size": list(size), "steps": steps, "guidance": guidance}
         print(json.dumps(meta))
-        print(f"| row | accel | wall s | x vs diffusers | PSNR vs engine exact (dB, worst) | adherence |")
+        print("| row | accel | wall s | x vs diffusers | PSNR vs engine exact (dB, worst) | adherence |")
         print("|---|---|---|---|---|---|")
         for r in table:
             ad = "-" if r["adherence"] is None else f"{r['adherence'] * 100:.1f}%"

@@ -285,6 +285,7 @@ def served_accels(engine: Any) -> dict:
 def serve_accel(engine: Any, accel: str, certificate: str | Path | None = None, default: bool = False) -> Any:
     """Register a served acceleration (ServingError for a bad spec or an unreadable certificate); its AccelSpec."""
     import json
+
     from manifests.accel import AccelSpecError, parse_accel
     try:
         spec = parse_accel(accel)
