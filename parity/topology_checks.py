@@ -113,7 +113,7 @@ def _case_rows(family: str, level: str, topology: str, case: str, variant: str, 
                         **({"drop_last_chunk": "*"} if fault == "drop_last_chunk" else
                            {"cast": ("*", torch.bfloat16)}))
                     fleet.generate(*reqs[0])
-            except TransferError as e:
+            except TransferError as e:   # planted in in-process transfers (the same pack / chunk / check code)
                 return [row(f"fault {fault}", e.field == want, f"caught: {e}" if e.field == want else
                             f"caught on the wrong field {e.field!r} (want {want!r}): {e}")]
             return [row(f"fault {fault}", False, f"planted {fault} went unnoticed (want a TransferError on {want})")]
