@@ -147,10 +147,15 @@ def qualified_variants(fam, variants) -> list[str]:
               help="C1 under an acceleration (wan): the engine and the reference loop run the same request under it; "
                    "decisions (step, CFG branch, block range) then latents are compared step by step. With "
                    "--plant-fault never_refresh | wrong_branch the engine's residual store is faulted.")
+@click.option("--topology", type=click.Choice(["disagg", "replicas", "inprocess"]), default=None,
+              help="C1 / C4 of a fleet of role workers (encoder, denoiser, decoder; replicas: two denoisers) against "
+                   "the co-located engine, bitwise on CPU fp32. With --plant-fault drop_last_chunk | "
+                   "cast_in_transit | stale_cache a transfer fault is planted and must be caught naming the "
+                   "manifest field.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the full report (every metric) as JSON to this path.")
 def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, world_sizes, cases, graph, plan,
-            accel, json_path) -> None:
+            accel, topology, json_path) -> None:
     """Run parity level LEVEL for FAMILY and print a table of checks.
 
     Exit code 0 when every check passes, 1 when any fails, 2 on a usage/setup error (unknown --device,
@@ -167,6 +172,12 @@ def run_cmd(family, level, variants, checkpoint, device, dtype, seed, fault, wor
             from parity.accel_checks import accel_report
             _emit(accel_report(family, accel, seed=seed, fault=fault, variant=variants[0] if variants else None),
                   json_path)
+            return
+        if topology is not None:
+            if level not in ("C1", "C4"):
+                raise SetupError(f"--topology runs C1 or C4 (got --level {level})")
+            from parity.topology_checks import topology_report
+            _emit(topology_report(family, level, topology, fault=fault), json_path)
             return
         if level not in fam.levels:
             raise SetupError(f"level {level} is not implemented for {family} yet "
@@ -363,6 +374,11 @@ def align_cmd(family, spec, checkpoint, variant, seed, plant, save, force) -> No
     if kept is not None:
         click.echo(f"wrote {save} ({len(kept)} intermediates)")
     sys.exit(0 if result.passed else 1)
+
+
+from parity.certify import certify_cmd  # noqa: E402  fvparity certify FAMILY --accel NAME[:knobs] (issue 21)
+
+cli.add_command(certify_cmd)
 
 
 def main() -> None:
