@@ -158,7 +158,7 @@ def test_vocoder_variants_and_key_shapes_equal_upstream(variant):
 def _sweep_with_media_probes(case: str, monkeypatch) -> list[str]:
     """tests/test_golden_corruption.py's sweep (every stored tensor corrupted in turn must fail the case), with the
     media probes in the probe table (the ltx2 FAMILY does not register them yet: REQUEST_ltxmedia.md)."""
-    import parity.families as families
+    from parity import families
     from parity.families.ltx2.media import MEDIA_GOLDEN_PROBES
     from tests.test_golden_corruption import sweep
     real = families.golden_probes
