@@ -118,8 +118,9 @@ def main(argv=None) -> int:
         proc = WanProcessor(ckpt.assets["tokenizer"], cfg.max_sequence_length)
 
         def diffusers_pipe():
-            pipe = diffusers.WanPipeline.from_pretrained(tmp / "diffusers", torch_dtype=torch.float32)
-            pipe.tokenizer = IdsTokenizer(proc)
+            # the tokenizer passed in: diffusers does not load a word-level tokenizer.json as a T5 tokenizer
+            pipe = diffusers.WanPipeline.from_pretrained(tmp / "diffusers", tokenizer=IdsTokenizer(proc),
+                                                         torch_dtype=torch.float32)
             pipe.set_progress_bar_config(disable=True)
             return pipe
 
