@@ -113,8 +113,12 @@ def run_accel_c1(family: str, spec: AccelSpec | str, *, variant: str = "tiny-2.1
                  tol: float | None = None) -> list[AccelC1Row]:
     """C1 rows of one accelerated request: the engine (batched with `extra_requests` other requests under the same
     acceleration but other seeds, so rows with different decisions share its steps) vs the reference loop."""
+    if family == "cosmos3":
+        from parity.accel_checks_cosmos3 import c1_rows
+        return c1_rows(spec, variant=None if variant == "tiny-2.1-t2v" else variant, seed=seed, fault=fault,
+                       num_steps=num_steps, extra_requests=extra_requests, tol=tol)
     if family != "wan":
-        raise ValueError(f"accel C1: family {family!r} is not wired yet (wan only)")
+        raise ValueError(f"accel C1: family {family!r} is not wired yet (wan, cosmos3)")
     from manifests.wan import load_model_variant
     from optimized.models.wan.denoise import WanDenoiseJob, WanDenoiseLoop
     from optimized.models.wan.instance import WanModelInstance
@@ -159,8 +163,8 @@ def accel_report(family: str, accel: str, *, seed: int = 0, fault: str | None = 
         raise SetupError(str(e)) from None
     if fault is not None and fault not in FAULTS:
         raise SetupError(f"unknown accel fault {fault!r} (known: {', '.join(FAULTS)})")
-    if family != "wan":
-        raise SetupError(f"--accel: family {family!r} is not wired yet (wan only)")
+    if family not in ("wan", "cosmos3"):
+        raise SetupError(f"--accel: family {family!r} is not wired yet (wan, cosmos3)")
     try:
         rows = run_accel_c1(family, spec, seed=seed, fault=fault, num_steps=num_steps,
                             **({"variant": variant} if variant else {}))

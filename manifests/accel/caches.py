@@ -63,7 +63,8 @@ KINDS: tuple[AccelKind, ...] = (
                Knob("order", 1, int, "max_order of the Taylor expansion", low=0, high=4),
                Knob("factors_dtype", "bfloat16", str, "taylor_factors_dtype (upstream default bfloat16)",
                     choices=("bfloat16", "float16", "float32"))),
-        cache_key_fields=_CACHE_KEY, loops=_DENOISE_LOOPS,
+        # not cosmos3: upstream's lite TaylorSeer on Cosmos3Omni predicts only proj_out and skips no layer
+        cache_key_fields=_CACHE_KEY, loops=("wan.denoise",),
         upstream="diffusers 0.42.1 TaylorSeerCacheConfig(use_lite_mode=True)"),
     AccelKind(
         name="magcache", exact=False,
