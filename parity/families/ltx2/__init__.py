@@ -11,7 +11,13 @@ from manifests.ltx2.keys import GAINS
 from parity.families.ltx2.c1 import FAULTS as C1_FAULTS
 from parity.families.ltx2.c1 import run_c1
 from parity.families.ltx2.inputs import make_inputs
-from parity.families.ltx2.media import MEDIA_FAULTS, audio_vae_probe, run_media_c0, video_vae_probe
+from parity.families.ltx2.media import (
+    MEDIA_FAULTS,
+    audio_vae_probe,
+    run_media_c0,
+    video_vae_probe,
+    vocoder_probe,
+)
 from parity.families.ltx2.pipeline_golden import pipeline_probe
 from parity.family import Fault, ParityFamily
 from parity.port.kit import PortedSides
@@ -54,4 +60,5 @@ FAMILY = ParityFamily(
     + tuple(Fault(name, "the optimized LTX2Pipeline loop planted with " + name[3:].replace("-", " "), "C1", step)
             for name, step in C1_FAULTS.items()),
     golden_probes={"ltx2.forward": SIDES.golden_probe(), "ltx2.pipeline": pipeline_probe,
-                   "ltx2.video_vae": video_vae_probe, "ltx2.audio_vae": audio_vae_probe}, check_converted=check_converted)
+                   "ltx2.video_vae": video_vae_probe, "ltx2.audio_vae": audio_vae_probe,
+                   "ltx2.vocoder": vocoder_probe}, check_converted=check_converted)
