@@ -119,8 +119,8 @@ def main(argv=None) -> int:
 
         def diffusers_pipe():
             # the tokenizer passed in: diffusers does not load a word-level tokenizer.json as a T5 tokenizer
-            pipe = diffusers.WanPipeline.from_pretrained(tmp / "diffusers", tokenizer=IdsTokenizer(proc),
-                                                         torch_dtype=torch.float32)
+            pipe = diffusers.WanPipeline.from_pretrained(tmp / "diffusers", tokenizer=None, torch_dtype=torch.float32)
+            pipe.tokenizer = IdsTokenizer(proc)
             pipe.set_progress_bar_config(disable=True)
             return pipe
 
