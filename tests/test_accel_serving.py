@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from manifests.accel import AccelSpec
 from optimized.serving.families import ServingError
@@ -98,6 +97,7 @@ def test_http_field_400_names_the_field(fresh, tmp_path):
     assert parse_fields({"prompt_ids": [1, 2], "accel": SPEC}, None, ImageLimits(False))["accel"] == SPEC
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
+
     from optimized.serving.server import create_app
     with TestClient(create_app(fresh, output_dir=tmp_path / "videos")) as client:
         r = client.post("/v1/videos", json={"prompt_ids": [3, 4], "size": "32x32", "frames": 5, "steps": 2,
