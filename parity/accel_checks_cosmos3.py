@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from manifests.accel import AccelSpec, parse_accel
-from parity.accel_checks import FAULTS, AccelC1Row, compare, first_failure, planted
+from parity.accel_rows import FAULTS, AccelC1Row, compare, first_failure, planted
 
 __all__ = ["FAULTS", "AccelC1Row", "c1_rows", "default_request", "first_failure", "flat_trajectory",
            "run_accel_c1_cosmos3"]

@@ -103,7 +103,7 @@ def planted(fault: str | None) -> Iterator[None]:
     """One engine fault for the duration: the caches' faults (parity.accel_checks) or the sparse mask's."""
     with ExitStack() as stack:
         if fault in ("never_refresh", "wrong_branch"):
-            from parity.accel_checks import planted as cache_fault
+            from parity.accel_rows import planted as cache_fault
             stack.enter_context(cache_fault(fault))
         elif fault == "drop_diagonal":
             from optimized.accel.sparse import planted as sparse_fault
@@ -257,7 +257,7 @@ def _quality(rs: RequestSet, exact: list[dict], fast: list[dict]) -> tuple[dict,
 
 def _c1(spec: AccelSpec, rs: RequestSet, fault: str | None) -> dict:
     """C1 under the acceleration on the set's first request (engine vs reference, same spec)."""
-    from parity.accel_checks import compare, first_failure
+    from parity.accel_rows import compare, first_failure
     from parity.families.wan.common import contract_tolerance
     from reference.wan.pipeline import WanReferencePipeline
     tol = contract_tolerance("C1", "loop", "float32", "cpu").rel_l2

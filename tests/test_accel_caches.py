@@ -19,7 +19,8 @@ from manifests.wan import load_model_variant
 from optimized.models.wan.denoise import WanDenoiseJob, WanDenoiseLoop
 from optimized.models.wan.instance import WanModelInstance
 from optimized.runtime.scheduler import WorkUnitScheduler
-from parity.accel_checks import default_request, first_failure, run_accel_c1
+from parity.accel_checks import default_request, run_accel_c1
+from parity.accel_rows import first_failure
 
 VARIANT = "tiny-2.1-t2v"
 # knobs chosen on the tiny random model so that some steps hit (its residual diffs are ~0.4-0.8 step to step)

@@ -220,7 +220,7 @@ def test_upstream_goldens_decisions_and_trajectory(kind, side):
 
 def test_upstream_golden_catches_never_refresh():
     """Negative control: the engine with a residual store that never refreshes leaves upstream's decisions."""
-    from parity.accel_checks import planted
+    from parity.accel_rows import planted
     meta, cfg, state, request, _ = _golden("fbcache")
     with planted("never_refresh"):
         _, (res,) = _engine(cfg, state, [request])

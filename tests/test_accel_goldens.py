@@ -25,7 +25,7 @@ from optimized.accel.residual import ResidualCache, ResidualOwner
 from optimized.accel.rules import make_rule
 from optimized.accel.stack import AccelRow, cached_forward
 from optimized.models.wan.transformer import WanCachedStack, WanDiTFast
-from parity.accel_checks import planted
+from parity.accel_rows import planted
 from reference.wan.accel import BranchCache
 from reference.wan.transformer import load_wan_transformer
 

@@ -146,3 +146,21 @@ def test_serve_fleet_cli_bad_deployment_exits_2_with_one_message(tmp_path, capsy
     assert main(["--fleet", str(unknown), "--port", "0", "--output-dir", str(tmp_path / "v")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: wan has no variant 'tiny-9'") and "\n" not in err
+
+
+def test_fvgen_serve_fleet_is_the_fleet_server(tmp_path, capsys):
+    """`fvgen serve --fleet FILE` goes to the fleet server (its usage line and its field-naming errors), and plain
+    `fvgen serve FAMILY` still to the co-located one."""
+    pytest.importorskip("fastapi")
+    from optimized.serving.fvgen import main
+    bad = tmp_path / "d.json"
+    bad.write_text(json.dumps(_doc(roles={"encoder": {}, "denoiser": {"replicas": 0}, "decoder": {}})))
+    assert main(["serve", "--fleet", str(bad), "--output-dir", str(tmp_path / "v")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --fleet {bad}: roles.denoiser.replicas: must be an integer "
+                                               ">= 1, got 0")
+    assert main(["serve", f"--fleet={tmp_path / 'missing.yaml'}"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["serve", "--fleet", str(bad), "--help"]) == 0
+    assert "usage: fvgen serve --fleet" in capsys.readouterr().out
+    assert main(["serve", "--help"]) == 0
+    assert "--fleet" not in capsys.readouterr().out.split("options:")[0]

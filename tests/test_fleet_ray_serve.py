@@ -79,7 +79,7 @@ def fleet(tmp_path_factory):
     (tmp / "deployment.yaml").write_text(YAML)
     port = free_port()
     log = open(tmp / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "optimized.serving.fleet_server", "--fleet",
+    proc = subprocess.Popen([sys.executable, "-m", "optimized.serving.fvgen", "serve", "--fleet",
                              str(tmp / "deployment.yaml"), "--port", str(port), "--output-dir", str(tmp / "videos")],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)

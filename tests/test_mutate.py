@@ -16,7 +16,7 @@ from parity.families import families
 # the four survivors issue 11 measured: each must stay in the cosmos3 catalogue
 ISSUE_11_SURVIVORS = ("uses-cfg-gt-one", "seeded-noise-sound-first", "ref-fps-modulates-one-row-action",
                       "opt-timestep-mlp-bf16")
-MINIMUM = {"cosmos3": 30, "wan": 10, "cosmos3-sound": 10, "seedvr2": 10}
+MINIMUM = {"cosmos3": 30, "wan": 10, "cosmos3-sound": 10, "seedvr2": 10, "ltx2": 30}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from manifests.accel import parse_accel
 from manifests.wan import load_model_variant
 from optimized.accel import sparse as engine_sparse
 from optimized.models.wan.instance import WanModelInstance
-from parity.accel_checks import default_request, first_failure, run_accel_c1
+from parity.accel_checks import default_request, run_accel_c1
+from parity.accel_rows import first_failure
 from reference.wan.pipeline import WanReferencePipeline
 
 # tiny-2.1-t2v's default request: grid (2, 2, 2); tile 1, window 0 along frames: each query keeps its frame's 4 keys

@@ -5,6 +5,7 @@
   fvgen wan --variant tiny --prompt-ids 5,17,42 --steps 8 --out frames/     a directory: PNG frames + video.json
   fvgen card wan --variant tiny                                             the DeploymentCard as JSON
   fvgen serve wan --variant tiny --port 8000                                the HTTP server (`serve` extra)
+  fvgen serve --fleet examples/fleet/deployment.yaml --port 8000            role pools on Ray (`fleet` extra)
 
 Output: OUT.mp4 (needs the `video` extra, imageio-ffmpeg) + the sidecar OUT.json (request, seed, weights version,
 timings) [+ OUT.wav when the model makes sound], or a directory (no .mp4 suffix) of frame_00000.png ... + video.json
@@ -181,6 +182,13 @@ def _main_thread() -> bool:
 
 def _main(argv: list[str]) -> int:
     try:
+        if argv[:1] == ["serve"] and any(a == "--fleet" or a.startswith("--fleet=") for a in argv[1:]):
+            try:   # role pools behind the fleet router (optimized/serving/fleet_server.py; `fleet` extra for Ray)
+                from optimized.serving.fleet_server import main as fleet_main
+            except ImportError as e:
+                raise UsageError(f"fvgen serve --fleet needs the optional serve extra (pip install -e '.[fleet]'): "
+                                 f"{e}") from None
+            return fleet_main(argv[1:], prog="fvgen serve --fleet")
         if argv[:1] == ["serve"]:
             try:
                 from optimized.serving.server import main as serve_main
