@@ -1,4 +1,4 @@
-"""`fvgen serve --fleet deployment.yaml` (the module's entry: python -m optimized.serving.fleet_server) with 1
+"""`fvgen serve --fleet deployment.yaml` (python -m optimized.serving.fvgen serve --fleet ..., a subprocess) with 1
 encoder, 2 denoisers and 1 decoder as actors on a local Ray cluster: /v1/videos answers bitwise the co-located
 server's video; a denoiser actor's process SIGKILLed while it runs a request's denoise stage: the request completes
 on the other denoiser with the same video, written once. Slow (Ray start-up, five model loads)."""
