@@ -34,6 +34,7 @@ from typing import Callable
 from converters.engine import (DEFAULT_MAX_SHARD_BYTES, MANIFEST_NAME, REPORT_NAME, ConversionReport, PostCheck,
                                Progress, _prepare, check_output, staged_output, write_component)
 from converters.errors import ConversionError
+from converters.hooks import MissingPostCheck
 from converters.manifest import load_manifest
 from converters.readers import open_weights, weight_kind_of
 from converters.writer import json_bytes, write_bytes
@@ -235,7 +236,12 @@ def convert_pipeline(family: str, src: str | Path, out: str | Path, *, variant: 
             for name, p in prepared.items():
                 manifest = p[1]
                 say(f"{name}: converting ({manifest.id})")
-                post = None if skip_parity or post_check_for is None else post_check_for(manifest.post_check_name)
+                post = None
+                if not skip_parity and post_check_for is not None:
+                    try:
+                        post = post_check_for(manifest.post_check_name)
+                    except MissingPostCheck:    # not wired by the family's parity entry yet: its report says so
+                        post = None
                 (tmp / name).mkdir()
                 reports[name] = write_component(
                     tmp / name, out / name, p, src=src / name, dtype=dtype, allow_truncate=False,

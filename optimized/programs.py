@@ -120,6 +120,7 @@ class VideoResult:
     media_weights_version: str | None = None       # the VAE's, when it is not part of the model's weights
     request: Any = None
     paths: dict = field(default_factory=dict)      # artifact kind -> path written
+    mux_audio: bool = False                        # the MP4 carries the audio track (the media chain's choice)
 
     def sidecar(self) -> dict:
         """The JSON sidecar written beside the artifacts."""
@@ -290,7 +291,8 @@ class VideoProgram:
             frames=to_uint8_frames(video), audio=audio, latents=self._latents, timings=dict(self.timings),
             request_id=self.id, seed=seed_of(self.request), weights_version=self.weights_version,
             fps=self.media.fps(self.request), sample_rate=self.media.sample_rate,
-            media_weights_version=self.media.weights_version, request=self.request)
+            media_weights_version=self.media.weights_version, request=self.request,
+            mux_audio=bool(getattr(self.media, "mux_audio", False)))
         if self.out is not None:
             t = _time.perf_counter()
             self.value.paths = write_video_artifacts(self.value, self.out)
@@ -432,9 +434,19 @@ def write_video_artifacts(result: VideoResult, out: Any) -> dict:
     video = result.frames.permute(3, 0, 1, 2).float() / 127.5 - 1.0   # back to [-1, 1]: to_uint8 is then exact
     sidecar = _json.dumps(result.sidecar(), indent=2, sort_keys=True).encode()
     if p.suffix.lower() == ".mp4":
-        paths = {"video": str(artifacts.write_mp4(video, p, fps=result.fps))}
-        if result.audio is not None and result.sample_rate:
-            paths["audio"] = str(artifacts.write_wav(result.audio, p.with_suffix(".wav"), result.sample_rate))
+        has_audio = result.audio is not None and bool(result.sample_rate)
+        if has_audio and result.mux_audio:   # the WAV first (lossless, kept), then the MP4 with it muxed in
+            paths = {"audio": str(artifacts.write_wav(torch.as_tensor(result.audio), p.with_suffix(".wav"),
+                                                      result.sample_rate))}
+            try:
+                paths = {"video": str(write_mp4_with_audio(video, p, result.fps, p.with_suffix(".wav"))), **paths}
+            except BaseException:
+                p.with_suffix(".wav").unlink(missing_ok=True)   # all or nothing: no WAV without its MP4
+                raise
+        else:
+            paths = {"video": str(artifacts.write_mp4(video, p, fps=result.fps))}
+            if has_audio:
+                paths["audio"] = str(artifacts.write_wav(result.audio, p.with_suffix(".wav"), result.sample_rate))
         paths["sidecar"] = str(artifacts._atomic_write_bytes(p.with_suffix(".json"), sidecar))
         return paths
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -454,3 +466,35 @@ def write_video_artifacts(result: VideoResult, out: Any) -> dict:
     if (p / "audio.wav").exists():
         out_paths["audio"] = str(p / "audio.wav")
     return out_paths
+
+
+def write_mp4_with_audio(video: Any, path: Any, fps: float, wav: Any) -> _Path:
+    """The H.264 MP4 (artifacts.write_mp4, into a hidden temp file beside `path`) with the WAV's track muxed in as
+    AAC by the ffmpeg binary imageio-ffmpeg ships (video stream copied); renamed to `path` at the end, nothing left
+    at `path` or beside it on failure."""
+    import os
+    import subprocess
+    import tempfile
+
+    from optimized.runtime import artifacts
+    path = _Path(path)
+    fd, silent = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.video.", suffix=".mp4")
+    os.close(fd)
+    fd, muxed = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".mp4")
+    os.close(fd)
+    try:
+        os.unlink(silent)
+        artifacts.write_mp4(video, silent, fps=fps)
+        cmd = [artifacts.ffmpeg_exe(), "-y", "-loglevel", "error", "-i", silent, "-i", str(wav), "-map", "0:v:0",
+               "-map", "1:a:0", "-c:v", "copy", "-c:a", "aac", "-b:a", "128k", muxed]
+        proc = subprocess.run(cmd, capture_output=True, check=False)
+        if proc.returncode != 0:
+            raise artifacts.ArtifactError(f"ffmpeg (audio mux) failed: {proc.stderr.decode(errors='replace')[-500:]}")
+        artifacts.honour_umask(muxed)
+        os.replace(muxed, path)
+    except BaseException:
+        _Path(muxed).unlink(missing_ok=True)
+        raise
+    finally:
+        _Path(silent).unlink(missing_ok=True)
+    return path

@@ -39,6 +39,7 @@ class MediaChain:
     sound: Any = None                                     # sound decoder (`.decode(latents)`), optional
     sample_rate: int | None = None
     weights_version: str | None = None                    # of the media components (None: the model's)
+    mux_audio: bool = False                               # OUT.mp4 carries the audio track too (AAC), beside OUT.wav
 
     @property
     def image_in_request(self) -> bool:

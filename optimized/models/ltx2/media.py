@@ -1,0 +1,112 @@
+"""ltx2's serving hooks (`FamilyEntry.media` / `request_from_fields` / `processor_options`): the instance's own video
+VAE decodes the de-normalised latents through the engine's "vae_decode" loop (the whole clip in one step, requests
+of one latent shape batched), at the decode timestep 0 (LTX2Pipeline's default); the audio latents go through the
+audio VAE and the vocoder (`sound`), at the vocoder's output rate; clips play at the request's frame_rate. The video
+program writes OUT.mp4 with that audio muxed in (MediaChain.mux_audio)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from manifests.ltx2.request import Ltx2GenerateRequest
+from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
+from optimized.serving.families import MediaChain, RequestFields, ServingError
+
+DECODE_LOOP = "ltx2.vae_decode"
+
+
+@dataclass(frozen=True)
+class Ltx2DecodeRequest:
+    request_id: str
+    latents: torch.Tensor                 # [B, C, F, H, W], de-normalised
+    chunk_frames: int = 0                 # the whole clip in one step (0: every latent frame)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunk_frames", self.chunk_frames or int(self.latents.shape[2]))
+
+
+@dataclass
+class Ltx2DecodeState:
+    request: Ltx2DecodeRequest
+    video: torch.Tensor | None = None
+
+
+class Ltx2VaeDecodeKernel(LoopKernel[Ltx2DecodeState]):
+    loop_id = DECODE_LOOP
+
+    def __init__(self, instance: Any):
+        self.model = instance
+
+    def init_state(self, request: Ltx2DecodeRequest) -> Ltx2DecodeState:
+        z, c = request.latents, self.model.cfg.vae
+        if z.ndim != 5 or z.shape[1] != c.latent_channels:
+            raise ValueError(f"ltx2 vae decode: latents must be [B, {c.latent_channels}, F, H, W], got {list(z.shape)}")
+        if not torch.isfinite(z).all():
+            raise ValueError("ltx2 vae decode: latents hold NaN or Inf values")
+        return Ltx2DecodeState(request)
+
+    def plan_step(self, s: Ltx2DecodeState) -> WorkPlan:
+        z = s.request.latents
+        sig = f"{DECODE_LOOP}:{tuple(z.shape[1:])}:{self.model.media_dtype}"
+        out = 3 * ((z.shape[2] - 1) * self.model.media.temporal_compression + 1) * \
+            (z.shape[3] * self.model.media.spatial_compression) * (z.shape[4] * self.model.media.spatial_compression)
+        return WorkPlan(request_id="", loop_id=DECODE_LOOP, phase="vae_decode_chunk", step_index=0,
+                        batch_key=(sig, str(z.device)), resources=ResourceRequest(device_bytes=out * 4 * 8),
+                        shape_signature=sig)
+
+    def run_step(self, states: Sequence[Ltx2DecodeState], plans: Sequence[WorkPlan]) -> list[Ltx2DecodeState]:
+        zs = [s.request.latents for s in states]
+        video = self.model.decode_video(torch.cat(zs) if len(zs) > 1 else zs[0])
+        if not torch.isfinite(video).all():
+            raise FloatingPointError(f"{DECODE_LOOP}: non-finite values in the decoded frames")
+        parts = video.split([z.shape[0] for z in zs])
+        return [replace(s, video=v) for s, v in zip(states, parts)]
+
+    def is_done(self, s: Ltx2DecodeState) -> bool:
+        return s.video is not None
+
+    def finalize(self, s: Ltx2DecodeState) -> torch.Tensor:
+        return s.video
+
+
+class Ltx2Sound:
+    """The media chain's sound decoder: de-normalised audio latents -> waveform (audio VAE, then vocoder)."""
+
+    def __init__(self, instance: Any):
+        self.model = instance
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.model.decode_audio(latents).clamp(-1, 1)
+
+
+def request_from_fields(engine: Any, f: RequestFields) -> Ltx2GenerateRequest:
+    f = f.filled(dict(engine.family.request_defaults))
+    if f.image is not None:
+        raise ServingError("image: this ltx2 model is text-to-video+audio (image-to-video is not ported)")
+    return Ltx2GenerateRequest(text_ids=f.text_ids, negative_text_ids=f.negative_text_ids, num_frames=f.num_frames,
+                               height=f.height, width=f.width, num_steps=f.num_steps,
+                               guidance_scale=float(f.guidance_scale), seed=f.seed if f.seed is not None else 0)
+
+
+def processor_options(engine: Any) -> dict:
+    return {"max_sequence_length": engine.model.cfg.max_sequence_length}
+
+
+def media(engine: Any) -> MediaChain:
+    inst = engine.model
+
+    class _Vae:           # what serving reads from the chain's VAE: the clip geometry (frame_step)
+        cfg = inst.media
+        dtype = inst.media_dtype
+
+    return MediaChain(_Vae(), engine.loop("vae_decode"), None, lambda rid, z: Ltx2DecodeRequest(rid, z), None, None,
+                      fps=lambda r: float(r.frame_rate), sound=Ltx2Sound(inst), sample_rate=inst.cfg.sample_rate,
+                      mux_audio=True)
+
+
+__all__ = ["DECODE_LOOP", "Ltx2DecodeRequest", "Ltx2Sound", "Ltx2VaeDecodeKernel", "media", "processor_options",
+           "request_from_fields"]
