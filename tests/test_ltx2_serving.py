@@ -184,3 +184,74 @@ def test_http_server_serves_ltx2(converted, tmp_path):
         assert mp4.status_code == 200
         (tmp_path / "h.mp4").write_bytes(mp4.content)
         assert any("Audio:" in s for s in streams(tmp_path / "h.mp4"))
+
+
+# ---------------------------------------------------------------------------------------------- upstream
+def _upstream_pipeline(tmp: Path):
+    """The tiny model as a real diffusers LTX2Pipeline (transformers Gemma 3 + GemmaTokenizer), same random weights
+    as the hand-written root, saved with save_pretrained."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizerFast
+
+    from manifests.ltx2.model import load_model_variant
+    from optimized.models.ltx2.instance import component_key_shapes
+    from tests.ltx2_pipeline_root import gemma_transformers_config, random_state, write_tokenizer
+    cfg = load_model_variant("tiny")
+    shapes = component_key_shapes(cfg)
+    mods = {"transformer": LTX2VideoTransformer3DModel(**cfg.transformer.to_dict()),
+            "connectors": LTX2TextConnectors(**cfg.connectors.to_dict()),
+            "vae": AutoencoderKLLTX2Video(**cfg.vae.to_dict()),
+            "audio_vae": AutoencoderKLLTX2Audio(**cfg.audio_vae.to_dict()),
+            "vocoder": LTX2Vocoder(**cfg.vocoder.to_dict())}
+    text = gemma_transformers_config(cfg.text_encoder)["text_config"]
+    te = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                         "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4))
+    for i, name in enumerate(("transformer", "connectors", "text_encoder", "vae", "audio_vae", "vocoder")):
+        state = random_state(shapes[name], i)
+        if name == "text_encoder":
+            missing, unexpected = te.load_state_dict({f"model.language_model.{k}": v for k, v in state.items()},
+                                                     strict=False)
+            assert not unexpected and not [k for k in missing if "language_model" in k]
+        else:
+            mods[name].load_state_dict(state, strict=True)
+    write_tokenizer(tmp / "tok")
+    tok = GemmaTokenizerFast(tokenizer_file=str(tmp / "tok" / "tokenizer.json"), pad_token="<pad>",
+                             eos_token="<eos>", bos_token="<bos>", unk_token="<unk>")
+    pipe = LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**cfg.scheduler.to_diffusers()),
+                        text_encoder=te.eval(), tokenizer=tok, **{k: m.eval() for k, m in mods.items()})
+    pipe.save_pretrained(tmp / "root")
+    return pipe
+
+
+@pytest.mark.upstream
+def test_a_diffusers_saved_pipeline_converts_and_serves_what_diffusers_computes(tmp_path):
+    """save_pretrained's own LTX2Pipeline root -> fvconvert -> the engine from the prompt (its tokenizer): latents,
+    frames and waveform equal diffusers' LTX2Pipeline.__call__ on the same prompt (max_sequence_length 1024)."""
+    from converters.cli import main
+    from manifests.parity import load_parity_contract
+    from optimized.serving.loading import load_engine
+    from optimized.serving.requests import build_request
+    from parity.report import tensor_check
+    pipe = _upstream_pipeline(tmp_path)
+    assert main(["ltx2", "--from", "diffusers", str(tmp_path / "root"), str(tmp_path / "out"), "--quiet"]) == 0
+    engine = load_engine("ltx2", str(tmp_path / "out"), None)
+    request, _ = build_request(engine, prompt="a cat runs", negative_prompt="rain", num_steps=3, seed=4)
+    got = engine.generate_video(request)
+    kw = {"prompt": "a cat runs", "negative_prompt": "rain", "height": 64, "width": 64, "num_frames": 9,
+          "num_inference_steps": 3, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
+          "audio_modality_scale": 1.0, "return_dict": False}
+    with torch.no_grad():
+        video, audio = pipe(**kw, output_type="latent", generator=torch.Generator().manual_seed(4))
+        frames, wave_up = pipe(**kw, output_type="pt", generator=torch.Generator().manual_seed(4))
+    tol = load_parity_contract("ltx2").tolerance("C1", "float32", "cpu")
+    for name, a, b in (("video", got.latents["vision"], video), ("audio", got.latents["sound"], audio),
+                       ("waveform", got.audio, wave_up[0].clamp(-1, 1))):
+        check = tensor_check(name, a, b, tol)
+        assert check.passed, (name, check.metrics)
+    want = (frames[0].permute(0, 2, 3, 1) * 255).round()          # [F, H, W, 3] from upstream's [0, 1] frames
+    assert (got.frames.float() - want).abs().max() <= 1
