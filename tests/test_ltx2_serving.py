@@ -190,15 +190,28 @@ def test_http_server_serves_ltx2(converted, tmp_path):
 def _upstream_pipeline(tmp: Path):
     """The tiny model as a real diffusers LTX2Pipeline (transformers Gemma 3 + GemmaTokenizer), same random weights
     as the hand-written root, saved with save_pretrained."""
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizerFast
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        GemmaTokenizerFast,
+    )
 
     from manifests.ltx2.model import load_model_variant
     from optimized.models.ltx2.instance import component_key_shapes
-    from tests.ltx2_pipeline_root import gemma_transformers_config, random_state, write_tokenizer
+    from tests.ltx2_pipeline_root import (
+        gemma_transformers_config,
+        random_state,
+        write_tokenizer,
+    )
     cfg = load_model_variant("tiny")
     shapes = component_key_shapes(cfg)
     mods = {"transformer": LTX2VideoTransformer3DModel(**cfg.transformer.to_dict()),
