@@ -65,6 +65,9 @@ PLANTED = [
     ("ltx2", "C0", ("--variant", "tiny", "--dtype", "fp32"), "parity.port.kit:PortedSides.forward_all", "tiny/fp32",
      False),   # a family ported with the kit: its C0 is the kit's
     ("ltx2", "C1", ("--variant", "tiny"), "parity.families.ltx2.c1:fast_generate", "tiny/float32/loop", False),
+    ("ltx2", "C2", ("--variant", "tiny"), "parity.families.ltx2.rollout:drive", "tiny/float32/", False),
+    ("ltx2", "C3", ("--variant", "tiny"), "parity.families.ltx2.c3:CachedSides.sides", "tiny/float32", False),
+    ("ltx2", "C4", ("--variant", "tiny"), "parity.families.ltx2.c4:components", "tiny/float32/", False),
     ("seedvr2", "C0", ("--variant", "tiny-3b", "--world-size", "1"), "parity.families.seedvr2.c0:run_reference",
      "tiny-3b/fp32/", True),
     ("seedvr2", "C1", ("--variant", "tiny-3b", "--world-size", "1"), "parity.families.seedvr2.restore:restore_inputs",

@@ -1,4 +1,6 @@
-"""ltx2 parity: C1 (the LTX2Pipeline loop, parity/families/ltx2/c1.py), C0 (the full forward, reference vs optimized, first divergent layer named), one planted fault,
+"""ltx2 parity: C0 (the full forward, reference vs optimized, first divergent layer named, and the media components),
+C1 (the LTX2Pipeline loop, parity/families/ltx2/c1.py), C2 (logprob identity of SDE rollouts of both loops, c2.py),
+C3 (rollout distributions per modality, c3.py), C4 (decoded frames + waveform end to end, c4.py), planted faults,
 the golden probe `ltx2.forward` (cases written by `fvparity align ltx2 --save`), the fvconvert
 post-check, and what `fvparity align` reads (`SIDES`)."""
 
@@ -10,6 +12,12 @@ from manifests.ltx2 import key_shapes, list_variants, load_variant
 from manifests.ltx2.keys import GAINS
 from parity.families.ltx2.c1 import FAULTS as C1_FAULTS
 from parity.families.ltx2.c1 import run_c1
+from parity.families.ltx2.c2 import FAULTS as C2_FAULTS
+from parity.families.ltx2.c2 import run_c2
+from parity.families.ltx2.c3 import FAULTS as C3_FAULTS
+from parity.families.ltx2.c3 import run_c3
+from parity.families.ltx2.c4 import FAULTS as C4_FAULTS
+from parity.families.ltx2.c4 import run_c4
 from parity.families.ltx2.inputs import make_inputs
 from parity.families.ltx2.media import (
     MEDIA_FAULTS,
@@ -52,13 +60,14 @@ def check_converted(out_dir) -> dict:
 FAMILY = ParityFamily(
     name="ltx2",
     description="LTX2VideoTransformer3DModel (diffusers:LTX2VideoTransformer3DModel), ported with fvparity port new",
-    levels={"C0": run_c0, "C1": run_c1}, variants=list_variants, default_variants=SIDES.default_variants,
+    levels={"C0": run_c0, "C1": run_c1, "C2": run_c2, "C3": run_c3, "C4": run_c4}, variants=list_variants, default_variants=SIDES.default_variants,
     faults=tuple(Fault(name, f"{key} scaled on the optimized side", "C0", layer)
                  for name, (key, layer) in SIDES.faults.items())
     + tuple(Fault(name, f"{key} scaled on the optimized side", "C0", layer)
             for name, (_, key, layer) in MEDIA_FAULTS.items())
     + tuple(Fault(name, "the optimized LTX2Pipeline loop planted with " + name[3:].replace("-", " "), "C1", step)
-            for name, step in C1_FAULTS.items()),
+            for name, step in C1_FAULTS.items())
+    + C2_FAULTS + C3_FAULTS + C4_FAULTS,
     golden_probes={"ltx2.forward": SIDES.golden_probe(), "ltx2.pipeline": pipeline_probe,
                    "ltx2.video_vae": video_vae_probe, "ltx2.audio_vae": audio_vae_probe,
                    "ltx2.vocoder": vocoder_probe}, check_converted=check_converted)
