@@ -361,3 +361,16 @@ def test_fvconvert_from_the_original_single_file_media(tmp_path, capsys):
     assert main(["ltx2", "--from", "original-vae", str(src), str(tmp_path / "bad"), "--config",
                  str(tmp_path / "vae.json"), "--quiet", "--skip-parity"]) == 2
     assert "up_blocks.7" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_a_bf16_engine_runs_and_stays_close_to_fp32():
+    """The bf16 engine (DiT, connectors, Gemma in bf16; the loop and the media in fp32) runs end to end."""
+    from manifests.ltx2.request import Ltx2GenerateRequest
+    from optimized import Engine
+    from parity.metrics import compare
+    req = Ltx2GenerateRequest(torch.tensor([2, 5, 7]), num_frames=9, height=64, width=64, num_steps=2)
+    half = Engine.from_variant("ltx2:tiny", dtype=torch.bfloat16).generate_video(req)
+    full = Engine.from_variant("ltx2:tiny").generate_video(req)
+    for k in ("vision", "sound"):
+        assert compare(half.latents[k], full.latents[k]).rel_l2 < 3e-2, k
+    assert half.audio is not None and torch.isfinite(half.audio).all()

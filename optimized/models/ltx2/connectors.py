@@ -109,7 +109,7 @@ def _mean_range(h: torch.Tensor, lengths: torch.Tensor, padding_side: str, scale
     lo = torch.where(k4, h, torch.full((), float("inf"), dtype=h.dtype)).amin((1, 2), keepdim=True)
     hi = torch.where(k4, h, torch.full((), float("-inf"), dtype=h.dtype)).amax((1, 2), keepdim=True)
     out = ((h - mean) / (hi - lo + 1e-6) * scale).flatten(2)
-    return torch.where(keep[..., None], out, zero)
+    return torch.where(keep[..., None], out, zero).to(h.dtype)      # back to the input dtype (upstream)
 
 
 def load_connectors(cfg: Ltx2ConnectorsConfig, state: dict[str, torch.Tensor], device: str = "cpu",

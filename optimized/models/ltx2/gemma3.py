@@ -66,5 +66,6 @@ class FastGemma3Text:
 
 
 def _rot(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)          # the tables in the run dtype (transformers' rotary does too)
     a, b = x.chunk(2, -1)
     return x * cos + torch.cat((-b, a), -1) * sin

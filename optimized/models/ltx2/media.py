@@ -87,9 +87,16 @@ def request_from_fields(engine: Any, f: RequestFields) -> Ltx2GenerateRequest:
     f = f.filled(dict(engine.family.request_defaults))
     if f.image is not None:
         raise ServingError("image: this ltx2 model is text-to-video+audio (image-to-video is not ported)")
+    # token ids given directly: the model's tokenizer (when it has one) still says what pads and what the empty
+    # negative prompt is; without one, Gemma's <pad> 0 and <bos> 2
+    from optimized.serving.requests import processor_for
+    proc = processor_for(engine)
+    tokens = {} if proc is None else {"pad_id": int(proc.pad_id),
+                                      **({"bos_id": int(proc.bos_id)} if proc.bos_id is not None else {})}
     return Ltx2GenerateRequest(text_ids=f.text_ids, negative_text_ids=f.negative_text_ids, num_frames=f.num_frames,
                                height=f.height, width=f.width, num_steps=f.num_steps,
-                               guidance_scale=float(f.guidance_scale), seed=f.seed if f.seed is not None else 0)
+                               guidance_scale=float(f.guidance_scale), seed=f.seed if f.seed is not None else 0,
+                               **tokens)
 
 
 def processor_options(engine: Any) -> dict:
