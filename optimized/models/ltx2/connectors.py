@@ -45,7 +45,7 @@ class FastLtx2Connectors:
         keep = attention_mask > 0
         if c.per_modality_projections:
             flat = (h * torch.rsqrt(h.square().mean(2, keepdim=True) + 1e-6)).reshape(B, L, -1)
-            flat = torch.where(keep[..., None], flat, torch.zeros((), dtype=flat.dtype))
+            flat = torch.where(keep[..., None], flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
             vid = self._lin("video_text_proj_in", flat * math.sqrt(c.video_hidden_dim / c.caption_channels))
             aud = self._lin("audio_text_proj_in", flat * math.sqrt(c.audio_hidden_dim / c.caption_channels))
         else:
@@ -53,7 +53,7 @@ class FastLtx2Connectors:
         emit("text_proj_in", vid)
         vid = self._stream("video_connector", vid, keep, emit)
         aud = self._stream("audio_connector", aud, keep, emit)
-        return vid, aud, torch.ones(B, L, dtype=torch.int64)     # every position valid afterwards (upstream)
+        return vid, aud, torch.ones(B, L, dtype=torch.int64, device=attention_mask.device)  # every position valid afterwards (upstream)
 
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.p[name + ".weight"], self.p.get(name + ".bias"))
@@ -74,7 +74,7 @@ class FastLtx2Connectors:
             x = torch.where((torch.arange(L)[None] < n_valid)[..., None], front, regs[None].to(x.dtype))
         else:
             key_mask = (keep | ~keep.any(-1, keepdim=True))[:, None, None, :]
-        ids = torch.arange(L, dtype=torch.float32)
+        ids = torch.arange(L, dtype=torch.float32, device=x.device)
         rope = _rope(torch.stack([ids, ids], -1).expand(B, 1, L, 2), (c.connector_rope_base_seq_len,), D,
                      c.rope_theta, heads if c.rope_type == "split" else None)
         for i in range(layers):
@@ -99,15 +99,15 @@ class FastLtx2Connectors:
 def _mean_range(h: torch.Tensor, lengths: torch.Tensor, padding_side: str, scale: int) -> torch.Tensor:
     """Per sample and layer over valid tokens x channels: (h - mean) / (max - min + 1e-6) * scale, padding zeroed."""
     B, L, C, _ = h.shape
-    pos = torch.arange(L)[None]
+    pos = torch.arange(L, device=h.device)[None]
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     keep = (pos >= L - lengths[:, None]) if padding_side == "left" else (pos < lengths[:, None])
     k4 = keep[:, :, None, None]
-    zero = torch.zeros((), dtype=h.dtype)
+    zero = torch.zeros((), dtype=h.dtype, device=h.device)
     mean = torch.where(k4, h, zero).sum((1, 2), keepdim=True) / ((lengths * C).view(B, 1, 1, 1) + 1e-6)
-    lo = torch.where(k4, h, torch.full((), float("inf"), dtype=h.dtype)).amin((1, 2), keepdim=True)
-    hi = torch.where(k4, h, torch.full((), float("-inf"), dtype=h.dtype)).amax((1, 2), keepdim=True)
+    lo = torch.where(k4, h, torch.full((), float("inf"), dtype=h.dtype, device=h.device)).amin((1, 2), keepdim=True)
+    hi = torch.where(k4, h, torch.full((), float("-inf"), dtype=h.dtype, device=h.device)).amax((1, 2), keepdim=True)
     out = ((h - mean) / (hi - lo + 1e-6) * scale).flatten(2)
     return torch.where(keep[..., None], out, zero).to(h.dtype)      # back to the input dtype (upstream)
 

@@ -71,9 +71,9 @@ class Ltx2DenoiseLoop(LoopKernel[Ltx2DenoiseState]):
         video = torch.randn((1, media.latent_channels, *grid), generator=g).flatten(2).transpose(1, 2)
         audio = torch.randn((1, media.audio_latent_channels, n_audio, bins), generator=g) \
             .permute(0, 2, 1, 3).reshape(1, n_audio, -1)
-        sig = schedule(req.num_steps, video.shape[1], self.cfg.scheduler)
-        return Ltx2DenoiseState(job, sig, video.to(m.device), audio.to(m.device), (vid_txt, aud_txt, txt_mask),
-                                grid, n_audio)
+        sig = schedule(req.num_steps, video.shape[1], self.cfg.scheduler).to(m.device)
+        return Ltx2DenoiseState(job, sig, video.to(m.device), audio.to(m.device),
+                                (vid_txt, aud_txt, txt_mask.to(m.device)), grid, n_audio)
 
     def plan_step(self, s: Ltx2DenoiseState) -> WorkPlan:
         req = s.request

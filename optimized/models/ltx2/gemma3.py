@@ -32,7 +32,7 @@ class FastGemma3Text:
         H, KV, d = s.num_attention_heads, s.num_key_value_heads, s.head_dim
         x = P["embed_tokens.weight"][input_ids] * torch.tensor(math.sqrt(s.hidden_size), dtype=self.dtype)
         states = [x]
-        idx = torch.arange(L)
+        idx = torch.arange(L, device=input_ids.device)
         keys = attention_mask.bool()[:, None, None, :]
         full = keys & (idx[None, :] <= idx[:, None])
         masks = {"full_attention": full, "sliding_attention": full & (idx[None, :] > idx[:, None] - s.sliding_window)}
@@ -41,7 +41,7 @@ class FastGemma3Text:
         tables = {}
         for kind, (theta, factor) in (("sliding_attention", (s.rope_local_theta, 1.0)),
                                       ("full_attention", (s.rope_global_theta, s.rope_global_linear_factor))):
-            inv = (1.0 / theta ** (torch.arange(0, d, 2).float() / d)) / factor
+            inv = (1.0 / theta ** (torch.arange(0, d, 2, device=idx.device).float() / d)) / factor
             ang = torch.outer(idx.float(), inv).repeat(1, 2)
             tables[kind] = ang.cos(), ang.sin()
         for i, kind in enumerate(s.types()):

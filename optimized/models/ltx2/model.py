@@ -240,7 +240,7 @@ def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _sinusoid(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    ang = t.float()[:, None] * torch.exp(torch.arange(128, dtype=torch.float32) * (-math.log(10000.0) / 128))
+    ang = t.float()[:, None] * torch.exp(torch.arange(128, dtype=torch.float32, device=t.device) * (-math.log(10000.0) / 128))
     return torch.cat([torch.cos(ang), torch.sin(ang)], -1).to(dtype)
 
 
@@ -255,9 +255,9 @@ def _rope(coords: torch.Tensor, extent: tuple, dim: int, theta: float,
     (split RoPE): [B, N, heads, dim / heads], each head's half-table twice (rotate-half form)."""
     n_axes = coords.shape[1]
     mid = (coords[..., 0] + coords[..., 1]) / 2.0                                   # [B, P, N]
-    frac = mid / torch.tensor(extent[:n_axes], dtype=mid.dtype)[:, None]
+    frac = mid / torch.tensor(extent[:n_axes], dtype=mid.dtype, device=mid.device)[:, None]
     base = torch.pow(theta, torch.linspace(0.0, 1.0, dim // (2 * n_axes), dtype=torch.float64))
-    w = (base * torch.pi / 2.0).float()
+    w = (base * torch.pi / 2.0).float().to(coords.device)
     ang = (frac.permute(0, 2, 1)[..., None, :] * 2 - 1) * w[:, None]                 # [B, N, F, P]
     ang = ang.flatten(2)
     if heads is not None:

@@ -67,7 +67,7 @@ class FastLtx2VideoVae:
             self.temb_b = torch.cat([params[n + ".bias"] for n in l1])
             self.temb_split = [params[n + ".bias"].shape[0] for n in l1]
             half = TIMESTEP_PROJ_DIM // 2
-            self.freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+            self.freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=self.temb_w.device) / half)
 
     def _embed_all(self, t: torch.Tensor) -> dict[str, torch.Tensor]:
         a = t.float()[:, None] * self.freqs.to(t.device)[None]
