@@ -11,7 +11,9 @@ written with the runtime's atomic writers (PNG, 16-bit WAV at the vocoder's rate
 each read-back checked against the tensor it came from.
 
 Cases: `t2va` (the tiny video VAE, no timestep conditioning) and `t2va_tc` (the timestep-conditioned decoder at
-decode_timestep 0.05). Planted faults (optimized side only): `c4-rgb-as-bgr` (the decoded frames' colour channels
+decode_timestep 0.05), both from text-encoder states; and `engine-tiny/.../t2va`: the whole tiny model from token ids
+(Gemma 3 included), reference/ltx2/generate.py against the served `optimized.Engine` (its denoise loop kernel, two
+requests submitted together, its media chain's uint8 frames and waveform). Planted faults (optimized side only): `c4-rgb-as-bgr` (the decoded frames' colour channels
 reversed) and `c4-swapped-stereo` (the vocoder's left / right channels exchanged).
 """
 
@@ -290,6 +292,85 @@ def artifact_checks(prefix: str, want: SideOutput, got: SideOutput, bounds: dict
     return checks
 
 
+# ------------------------------------------------------------------------------------------------ the served engine
+
+ENGINE_VARIANT = "tiny"      # manifests/ltx2/model.py: every component's tiny variant, Gemma 3 included
+
+
+def engine_requests():
+    from manifests.ltx2.request import Ltx2GenerateRequest
+    base = {"num_frames": 9, "height": 64, "width": 64, "num_steps": 3}
+    return [Ltx2GenerateRequest(torch.tensor([2, 5, 9]), **base, seed=41, guidance_scale=3.0),
+            Ltx2GenerateRequest(torch.tensor([2, 7]), torch.tensor([2, 11]), **base, seed=42, guidance_scale=2.0,
+                                audio_guidance_scale=None, guidance_rescale=0.0)]
+
+
+def engine_case(seed: int, fault: str | None, bounds: dict, latent_tol: Tolerance, progress) -> list[CheckResult]:
+    """The whole model on both sides from token ids: reference/ltx2/generate.py (Gemma 3 -> connectors -> loop ->
+    VAE decode, audio VAE -> vocoder, one request at a time) vs the served `optimized.Engine` (its denoise loop
+    kernel, both requests submitted together, and its media chain: uint8 frames, waveform in [-1, 1])."""
+    from manifests.ltx2.model import load_model_variant
+    from optimized import Engine
+    from optimized.models.ltx2.instance import random_weights
+    from optimized.runtime.artifacts import to_uint8_frames
+    from reference.ltx2.generate import Ltx2Reference
+    from reference.ltx2.generate import generate as reference_generate
+
+    cfg = load_model_variant(ENGINE_VARIANT)
+    w = random_weights(cfg, seed)
+    model = Ltx2Reference(cfg, ref.load_model(cfg.transformer, w["transformer"]),
+                          ref_connectors(cfg.connectors, w["connectors"]), w["text_encoder"],
+                          ref_vae.load_video_vae(cfg.vae, w["vae"]), ref_avae.load_audio_vae(cfg.audio_vae, w["audio_vae"]),
+                          ref_voc.load_vocoder(cfg.vocoder, w["vocoder"]))
+    reqs = engine_requests()
+    base = f"engine-{ENGINE_VARIANT}/float32/t2va"
+    checks: list[CheckResult] = []
+    try:
+        wants = [reference_generate(model, r) for r in reqs]
+    except Exception as e:  # noqa: BLE001
+        return [raised_check(f"{base}/reference", e, who="reference")]
+    try:
+        with planted(fault):
+            engine = Engine.from_weights(cfg, w)
+            programs = [engine.start_video(r) for r in reqs]       # queued together: one batch per step
+            gots = [p.result() for p in programs]
+    except Exception as e:  # noqa: BLE001
+        return [raised_check(f"{base}/engine", e, who="engine")]
+    for k, (want, got) in enumerate(zip(wants, gots)):
+        prefix = f"{base}/request{k}"
+        with exceptions_fail(checks, f"{prefix}/artifacts"):
+            lat_ok = {}
+            for m, key, ref_key in (("video", "vision", "video_latents"), ("audio", "sound", "audio_latents")):
+                mt = compare(got.latents[key], want[ref_key])
+                lat_ok[m] = within(mt, latent_tol)
+                checks.append(CheckResult(f"{prefix}/latents_{m}", lat_ok[m], mt, latent_tol,
+                                          divergence=None if lat_ok[m] else "denoise loop (engine)"))
+            a, b = to_uint8_frames(want["video"][:1]).numpy(), got.frames.numpy() if hasattr(got.frames, "numpy") \
+                else np.asarray(got.frames)
+            sim = video_similarity(a, b, 255.0)
+            diff = int(np.abs(a.astype(np.int32) - b.astype(np.int32)).max()) if a.shape == b.shape else -1
+            ok = "shape_mismatch" not in sim and sim["ssim_min"] >= bounds["min_ssim"] and \
+                sim["psnr_db"] >= bounds["min_psnr"] and 0 <= diff <= 1
+            checks.append(CheckResult(
+                f"{prefix}/frames", ok, None, Tolerance(min_ssim=bounds["min_ssim"], min_psnr=bounds["min_psnr"]),
+                detail=f"engine uint8 frames vs the reference's quantised: SSIM min {sim['ssim_min']:.6f}, PSNR "
+                       f"{fmt_db(sim['psnr_db'])} dB (data_range 255), max |diff| {diff} levels (<= 1)",
+                divergence=None if ok else _stage(lat_ok["video"], False, "video vae decode", "video")))
+            ref_audio = want["waveform"][0].clamp(-1, 1)
+            snr = snr_db(ref_audio, torch.as_tensor(got.audio).float())
+            ok = snr >= bounds["min_snr_db"]
+            checks.append(CheckResult(f"{prefix}/audio", ok, None, AudioBound(bounds["min_snr_db"]),
+                                      detail=f"engine waveform vs the reference's (clamped to [-1, 1]): SNR "
+                                             f"{fmt_db(snr)} dB, {list(ref_audio.shape)}",
+                                      divergence=None if ok else ("denoise loop (final audio latents differ)"
+                                                                  if not lat_ok["audio"] else
+                                                                  "audio vae decode / vocoder (final audio latents "
+                                                                  "agree)")))
+            progress(f"[ltx2 C4] {prefix}: frames SSIM min {sim['ssim_min']:.6f}, max |diff| {diff}, audio SNR "
+                     f"{fmt_db(snr)} dB")
+    return checks
+
+
 def _bounds(tol: Tolerance | None) -> tuple[dict, dict]:
     got = {k: getattr(tol, k, None) if tol is not None else None for k in DEFAULT_BOUNDS}
     src = {k: "contract" if v is not None else "default (not in the contract's C4 row)" for k, v in got.items()}
@@ -344,4 +425,7 @@ def run_c4(variants: list[str] | None = None, checkpoint: str | None = None, dev
                 with exceptions_fail(report.checks, f"{prefix}/artifacts"):
                     report.checks += artifact_checks(prefix, w, g, bounds, latent_tol, comp.ocfg.output_sampling_rate,
                                                      Path(tmp), progress)
+        progress(f"[ltx2 C4] engine-{ENGINE_VARIANT}: the whole model from token ids, reference vs the served engine")
+        with exceptions_fail(report.checks, f"engine-{ENGINE_VARIANT}/float32"):
+            report.checks += engine_case(seed, fault, bounds, latent_tol, progress)
     return report
