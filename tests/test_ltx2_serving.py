@@ -374,3 +374,16 @@ def test_a_bf16_engine_runs_and_stays_close_to_fp32():
     for k in ("vision", "sound"):
         assert compare(half.latents[k], full.latents[k]).rel_l2 < 3e-2, k
     assert half.audio is not None and torch.isfinite(half.audio).all()
+
+
+def test_a_request_that_can_never_fit_is_refused_before_anything_runs():
+    from manifests.ltx2.request import Ltx2GenerateRequest
+    from optimized import Engine, RequestRejected
+    engine = Engine.from_variant("ltx2:tiny", memory_budget_bytes=64 << 20)
+    small = Ltx2GenerateRequest(torch.tensor([2, 5]), num_frames=9, height=64, width=64, num_steps=2)
+    cost = engine.family.request_cost(engine, small, ("denoise", "decode", "artifact"))
+    assert cost is not None and 0 < cost.peak[1] < 64 << 20
+    big = Ltx2GenerateRequest(torch.tensor([2, 5]), num_frames=257, height=1024, width=1024, num_steps=2)
+    with pytest.raises(RequestRejected, match=r"ltx2 request: needs about .* GiB at its peak \((decode|artifact)\)"):
+        engine.start_video(big)
+    engine.generate_video(small)          # the small one still runs under that budget

@@ -105,6 +105,7 @@ FAMILY = FamilyEntry(
     media=lambda engine: _media().media(engine),
     request_from_fields=lambda engine, fields: _media().request_from_fields(engine, fields),
     processor_options=lambda engine: _media().processor_options(engine),
+    request_cost=lambda engine, request, phases: _media().request_cost(engine, request, phases),
     request_defaults={"num_frames": 9, "height": 64, "width": 64, "num_steps": 4, "guidance_scale": 3.0},
 )
 

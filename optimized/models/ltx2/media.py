@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from manifests.ltx2.request import Ltx2GenerateRequest
+from optimized.runtime.family import RequestCost
 from optimized.runtime.loop import LoopKernel, ResourceRequest, WorkPlan
 from optimized.serving.families import MediaChain, RequestFields, ServingError
 
@@ -83,6 +84,45 @@ class Ltx2Sound:
         return self.model.decode_audio(latents).clamp(-1, 1)
 
 
+SOLVER_COPIES = 4        # latents held per row: x, the prediction, x0 and the guided velocity (fp32)
+ACTIVATION_WIDTHS = 12   # stream-width activations alive per token at a DiT block's widest (q, k, v, attention out,
+                         # the feed-forward's 4x input ...)
+
+
+def request_cost(engine: Any, request: Any, phases: tuple[str, ...]) -> RequestCost | None:
+    """An Ltx2GenerateRequest's peak bytes by phase, from its fields alone (None for other requests or fields its
+    validation refuses): denoise = the packed latents and text rows held + the widest DiT step over [uncond, cond];
+    decode = the latents + the decoder's full-resolution activations + the decoded clip (fp32); artifact = the
+    decoded clip + its uint8 frames + the writer's copies."""
+    if not isinstance(request, Ltx2GenerateRequest):
+        return None
+    inst = engine.model
+    cfg, media = inst.cfg, inst.media
+    try:
+        samp = request.sampling()
+        (f, h, w), n_audio = samp.latent_grid(media), samp.audio_frames(media)
+        rows = 2 if samp.do_cfg else 1
+        frames, height, width = int(request.num_frames), int(request.height), int(request.width)
+    except (TypeError, ValueError, ArithmeticError, ZeroDivisionError):
+        return None
+    if min(f, h, w, n_audio, frames, height, width) <= 0:
+        return None
+    t = cfg.transformer
+    elem = inst.dtype.itemsize
+    video_tokens, text = f * h * w, cfg.max_sequence_length
+    held = rows * 4 * SOLVER_COPIES * (video_tokens * t.in_channels + n_audio * t.audio_in_channels) + \
+        rows * text * (t.caption_channels * 2) * elem
+    step = rows * elem * ACTIVATION_WIDTHS * (video_tokens * t.inner_dim + n_audio * t.audio_inner_dim
+                                              + text * max(t.inner_dim, t.audio_inner_dim))
+    out = {"denoise": held + step}
+    pixels = 3 * frames * height * width
+    widest = max(cfg.vae.decoder_block_out_channels)
+    decoded = pixels * 4
+    out["decode"] = held + decoded + 3 * frames * height * width // (cfg.vae.patch_size ** 2) * widest * 4 * 2
+    out["artifact"] = decoded + 2 * (pixels * 4 + pixels)
+    return RequestCost({k: v for k, v in out.items() if k in phases}, ("num_frames", "height", "width"))
+
+
 def request_from_fields(engine: Any, f: RequestFields) -> Ltx2GenerateRequest:
     f = f.filled(dict(engine.family.request_defaults))
     if f.image is not None:
@@ -116,4 +156,4 @@ def media(engine: Any) -> MediaChain:
 
 
 __all__ = ["DECODE_LOOP", "Ltx2DecodeRequest", "Ltx2Sound", "Ltx2VaeDecodeKernel", "media", "processor_options",
-           "request_from_fields"]
+           "request_cost", "request_from_fields"]
