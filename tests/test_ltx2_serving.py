@@ -387,3 +387,18 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs():
     with pytest.raises(RequestRejected, match=r"ltx2 request: needs about .* GiB at its peak \((decode|artifact)\)"):
         engine.start_video(big)
     engine.generate_video(small)          # the small one still runs under that budget
+
+
+def test_prompts_are_encoded_once_and_a_cache_hit_is_bitwise_a_miss():
+    from manifests.ltx2.request import Ltx2GenerateRequest
+    from optimized import Engine
+    engine = Engine.from_variant("ltx2:tiny")
+    req = Ltx2GenerateRequest(torch.tensor([2, 5, 9]), num_frames=9, height=64, width=64, num_steps=2)
+    events: list[str] = []
+    engine.subscribe(lambda ev: events.append(ev.data["op"]), prefix="trace.cache")
+    first = engine.generate(req)["latents"]
+    cache = engine.model.text_cache
+    assert (cache.hits, cache.misses) == (0, 2)                  # the prompt and the empty negative prompt
+    again = engine.generate(req)["latents"]
+    assert (cache.hits, cache.misses) == (2, 2) and "hit" in events
+    assert all(torch.equal(first[k], again[k]) for k in first)

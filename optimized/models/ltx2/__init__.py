@@ -101,6 +101,7 @@ FAMILY = FamilyEntry(
     capabilities=Capabilities(modalities=("video", "sound"), cfg_policies=("batched",), max_frames=1025,
                               max_height=4096, max_width=4096, extent=_extent),
     jobs={"denoise": _denoise_job},
+    caches=lambda instance: (instance.text_cache,),
     processor=_processor,
     media=lambda engine: _media().media(engine),
     request_from_fields=lambda engine, fields: _media().request_from_fields(engine, fields),

@@ -7,6 +7,9 @@ text_encoder, vae, audio_vae, vocoder. The media components (VAEs, vocoder) run 
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 from manifests.ltx2.audio_vae import AUDIO_VAE_GAINS, audio_vae_key_shapes
@@ -22,7 +25,10 @@ from optimized.models.ltx2.gemma3 import FastGemma3Text
 from optimized.models.ltx2.model import load_model
 from optimized.models.ltx2.video_vae import load_video_vae
 from optimized.models.ltx2.vocoder import load_vocoder
+from optimized.runtime.cache import CacheKey, CacheStore, content_hash
 from optimized.runtime.family import seeded_random_state
+
+TEXT_CONTRACT_VERSION = "ltx2.gemma3_hidden_states/1"
 
 
 def component_key_shapes(cfg: Ltx2ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -46,7 +52,7 @@ def random_weights(cfg: Ltx2ModelConfig, seed: int) -> dict[str, dict[str, torch
 class Ltx2ModelInstance:
     def __init__(self, cfg: Ltx2ModelConfig, weights: dict[str, dict[str, torch.Tensor]], device: str = "cpu",
                  dtype: torch.dtype = torch.float32, weights_version: str | None = None,
-                 media_dtype: torch.dtype = torch.float32):
+                 media_dtype: torch.dtype = torch.float32, text_cache_bytes: int = 256 << 20):
         self.cfg = cfg.validate()
         missing, unknown = sorted(set(COMPONENTS) - set(weights)), sorted(set(weights) - set(COMPONENTS))
         if missing or unknown:
@@ -62,6 +68,9 @@ class Ltx2ModelInstance:
         self.audio_vae = load_audio_vae(cfg.audio_vae, weights["audio_vae"], device, media_dtype)
         self.vocoder = load_vocoder(cfg.vocoder, weights["vocoder"], device, media_dtype)
         self.media = cfg.media()
+        self.text_cache = CacheStore(text_cache_bytes, name="ltx2.text_hidden_states")
+        self._text_cfg_hash = hashlib.sha256(json.dumps(cfg.to_dict()["text_encoder"], sort_keys=True)
+                                             .encode()).hexdigest()[:16]
 
     def stats(self) -> dict[str, torch.Tensor]:
         """The loop's de-normalisation: video latents_mean / (latents_std / scaling_factor), audio mean / std."""
@@ -70,18 +79,38 @@ class Ltx2ModelInstance:
                 "video_std": v["latents_std"].float() / self.cfg.vae.scaling_factor,
                 "audio_mean": a["latents_mean"].float(), "audio_std": a["latents_std"].float()}
 
+    def text_cache_key(self, ids: torch.Tensor, pad_id: int) -> CacheKey:
+        """Everything that changes one prompt's Gemma hidden states: weights, precision, device, config, the ids,
+        the pad id and length they are padded with."""
+        return CacheKey(model_id="ltx2", component_id="text_encoder",
+                        weights_version=self.weights_version or f"unversioned:{id(self)}",
+                        precision=str(self.dtype).removeprefix("torch."),
+                        shape_signature=f"len={ids.numel()};pad_to={self.cfg.max_sequence_length}",
+                        layout_signature=f"cfg={self._text_cfg_hash};device={self.device};pad_id={pad_id}",
+                        cache_contract_version=TEXT_CONTRACT_VERSION,
+                        input_hashes={"text_ids": content_hash(ids.reshape(-1).to(torch.int64).cpu())})
+
     def encode_text(self, ids: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts' ids -> (Gemma hidden states [B, L, C * K], masks [B, L]), each left-padded with `pad_id` to
-        max_sequence_length (upstream's tokenizer call: padding="max_length", padding_side="left")."""
+        max_sequence_length (upstream's tokenizer call: padding="max_length", padding_side="left"). One forward per
+        prompt (rows are independent), each cached by content (`text_cache`): a hit is bitwise a miss."""
         L = self.cfg.max_sequence_length
-        rows = torch.full((len(ids), L), pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(ids), L), dtype=torch.int64)
-        for i, t in enumerate(ids):
-            rows[i, L - t.numel():] = t.to(torch.int64)
-            mask[i, L - t.numel():] = 1
-        with torch.no_grad():
-            hidden = self.text_encoder(rows.to(self.device), mask.to(self.device))
-        return hidden.flatten(2, 3), mask.to(self.device)
+        hidden, masks = [], []
+        for t in ids:
+            t = t.reshape(-1).to(torch.int64)
+            mask = torch.zeros((1, L), dtype=torch.int64)
+            mask[0, L - t.numel():] = 1
+            key = self.text_cache_key(t, pad_id)
+            h = self.text_cache.get(key)
+            if h is None:
+                row = torch.full((1, L), pad_id, dtype=torch.int64)
+                row[0, L - t.numel():] = t
+                with torch.no_grad():
+                    h = self.text_encoder(row.to(self.device), mask.to(self.device)).flatten(2, 3)
+                self.text_cache.put(key, h)
+            hidden.append(h)
+            masks.append(mask)
+        return torch.cat(hidden), torch.cat(masks).to(self.device)
 
     def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
         """De-normalised latents [B, C, F, H, W] -> frames [B, 3, F', H', W'] (the decode timestep is upstream's
