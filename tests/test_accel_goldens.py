@@ -147,4 +147,9 @@ def test_maker_reproduces_the_stored_golden(kind, tmp_path):
     stored = load(kind)
     assert meta["accel"] == stored[0]["accel"] and meta["decisions"] == stored[0]["decisions"]
     fresh = load_file(str(tmp_path / kind / "outputs.safetensors"))
-    assert all(torch.equal(fresh[b], stored[4][b]) for b in ("cond", "uncond"))
+    # decisions exactly; values to fp32 rounding: CPU kernels take per-ISA paths, so bitwise holds on the maker's CPU only
+    # (bf16 Taylor factors turn a last-bit difference into one bf16 rounding step: allow one bf16 ulp at the peak)
+    for b in ("cond", "uncond"):
+        want = stored[4][b]
+        atol = 2 * torch.finfo(torch.bfloat16).eps * float(want.abs().max()) if kind.endswith("_bf16") else 1e-5
+        assert torch.allclose(fresh[b], want, rtol=1e-5, atol=atol), (b, float((fresh[b] - want).abs().max()))
