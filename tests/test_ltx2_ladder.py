@@ -194,3 +194,16 @@ def test_cli_runs_the_level(level, tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert json.loads(out.read_text())["passed"]
+
+
+def test_levels_refuse_what_they_do_not_run():
+    from parity.errors import SetupError
+    for run in (c2.run_c2, c3.run_c3, c4.run_c4):
+        with pytest.raises(SetupError, match="no-such-fault"):
+            run(["tiny"], fault="no-such-fault")
+        with pytest.raises(SetupError, match="fp32 only"):
+            run(["tiny"], dtypes=["bf16"])
+        with pytest.raises(SetupError, match="CPU"):
+            run(["tiny"], checkpoint="/nowhere")
+    with pytest.raises(SetupError, match="variants"):
+        c2.run_c2(["tiny-split"])

@@ -174,6 +174,8 @@ def run_c3(variants: list[str] | None = None, checkpoint: str | None = None, dev
     progress = progress or (lambda msg: None)
     if checkpoint is not None or device != "cpu":
         raise SetupError("ltx2 C3 runs the tiny variants on CPU (fp32) only")
+    if dtypes and set(dtypes) != {"fp32"}:
+        raise SetupError(f"ltx2 C3 runs fp32 only (got --dtype {', '.join(dtypes)})")
     pairs = [p for p in c1.PAIRS if p[0] in (variants or DEFAULT_VARIANTS)]
     if not pairs:
         raise SetupError(f"ltx2 C3 variants: {', '.join(p[0] for p in c1.PAIRS)}")

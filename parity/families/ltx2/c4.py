@@ -384,6 +384,8 @@ def run_c4(variants: list[str] | None = None, checkpoint: str | None = None, dev
         raise SetupError(f"unknown ltx2 C4 fault {fault!r}; known: {', '.join(C4_FAULTS)}")
     if checkpoint is not None or device != "cpu":
         raise SetupError("ltx2 C4 runs the tiny components on CPU (fp32) only")
+    if dtypes and set(dtypes) != {"fp32"}:
+        raise SetupError(f"ltx2 C4 runs fp32 only (got --dtype {', '.join(dtypes)})")
     if variants and TRANSFORMER not in variants:
         raise SetupError(f"ltx2 C4 runs the transformer variant {TRANSFORMER!r} (with its tiny VAEs and vocoder)")
     contract = load_parity_contract("ltx2")
