@@ -185,13 +185,10 @@ def test_ltx2_registers_every_level_with_its_faults():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["C2", "C4"])
-def test_cli_runs_the_level(level, tmp_path):
+def test_cli_runs_the_level(level, tmp_path, fvparity):
     import json
-    import subprocess
-    import sys
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "parity.cli", "run", "ltx2", "--level", level, "--json", str(out)],
-                          capture_output=True, text=True)
+    proc = fvparity("run", "ltx2", "--level", level, "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert json.loads(out.read_text())["passed"]
 
@@ -207,3 +204,16 @@ def test_levels_refuse_what_they_do_not_run():
             run(["tiny"], checkpoint="/nowhere")
     with pytest.raises(SetupError, match="variants"):
         c2.run_c2(["tiny-split"])
+
+
+def test_driver_refuses_a_loop_that_does_not_carry_on_from_the_injected_state(tiny, monkeypatch):
+    """Negative control for the driver itself: a loop whose trace hands over a copy (so the SDE sample would be
+    dropped and the loop stay on its ODE path) is an error, not a silently deterministic "rollout"."""
+    from parity.families.ltx2.rollout import OptimizedSide
+    original = OptimizedSide.generate
+
+    def copying(self, cases, stats, media, sched, trace, watch):
+        return original(self, cases, stats, media, sched, lambda n, x: trace(n, x.clone()), watch)
+    monkeypatch.setattr(OptimizedSide, "generate", copying)
+    with torch.no_grad(), pytest.raises(ValueError, match="did not start from the state"):
+        rollouts(tiny.optimized, [c2.case(tiny, 1)], tiny.stats, tiny.media, tiny.sched)

@@ -206,6 +206,9 @@ def drive(side, cases: list[SdeCase], stats, media: Ltx2Media, sched: Ltx2Schedu
         ds = sigmas[i + 1] - sigmas[i]
         v = ((x.float() - x_in.float()) / ds).contiguous()
         for r, c in enumerate(cases):
+            if i > 0 and not torch.equal(x_in[r:r + 1], lat[r][m][i]):
+                raise ValueError(f"{side.name} loop: step {i} did not start from the state the driver set after step "
+                                 f"{i - 1} ({m}): its trace no longer hands over the loop's own state")
             if i == 0:
                 if records is not None and not torch.equal(x_in[r:r + 1], records[r].latents[m][0]):
                     raise ValueError(f"recompute: the loop's initial {m} latents differ from the record's")
