@@ -8,8 +8,9 @@ family processor tokenises the caption from the model directory's tokenizer, the
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -54,3 +55,26 @@ def held_out_adherence(engine: Any, requests: Iterable[HeldOutRequest] = HELD_OU
     scores = [score_clip(engine_clip(engine, r.caption, r.seed, frames, size, steps, guidance, **options), r.caption)
               for r in requests]
     return AdherenceReport(scores, {"frames": frames, "size": list(size), "steps": steps, "guidance": guidance})
+
+
+def autoencoder_ceiling(model_dir: Any, requests: Iterable[HeldOutRequest] = HELD_OUT, frames: int = FRAMES,
+                        size: tuple[int, int] = SIZE) -> AdherenceReport:
+    """The held-out adherence of the model's VAE alone: each request's ground-truth clip (`render_clip`) encoded
+    (posterior mode) and decoded by the reference VAE of a wan model directory, scored against its caption. What a
+    DiT sampling that VAE's latents can be expected to reach at most (the ground-truth clips themselves score 1.0)."""
+    import torch
+
+    from manifests.checkpoint import load_state, read_checkpoint
+    from parity.quality.shapes import render_clip
+    from reference.wan.vae import WanVAE
+    ckpt = read_checkpoint(model_dir)
+    vae = WanVAE(ckpt.typed_config().vae)
+    vae.load_state_dict(load_state(ckpt, component="vae"))
+    vae.eval()
+    scores = []
+    with torch.no_grad():
+        for r in requests:
+            x = torch.from_numpy(render_clip(r.caption, r.seed, frames, size)).permute(3, 0, 1, 2)[None] * 2 - 1
+            y = vae.decode(vae.encode(x).mode())[0].permute(1, 2, 3, 0)          # [F, H, W, 3] in [-1, 1]
+            scores.append(score_clip(((y + 1) * 127.5).round().to(torch.uint8).numpy(), r.caption))
+    return AdherenceReport(scores, {"frames": frames, "size": list(size), "round_trip": "vae.decode(encode().mode())"})
