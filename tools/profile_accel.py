@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench_accel import ACCELS, IdsTokenizer, psnr  # noqa: E402
+from tools.bench_accel import ACCELS, IdsTokenizer, psnr
 
 
 def main(argv=None) -> int:
