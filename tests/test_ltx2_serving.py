@@ -351,15 +351,14 @@ def test_fvconvert_from_the_original_single_file_media(tmp_path, capsys):
     save_file(original, str(src))
     for fmt, name, cfg, want in (("original-vae", "vae", vcfg, vae), ("original-audio-vae", "audio_vae", acfg, avae)):
         (tmp_path / f"{name}.json").write_text(json.dumps(cfg.to_dict()))
-        # --skip-parity until parity/families/ltx2 wires the ltx2.vae / ltx2.audio_vae post-checks (UNWIRED_POST_CHECKS)
         assert main(["ltx2", "--from", fmt, str(src), str(tmp_path / name), "--config", str(tmp_path / f"{name}.json"),
-                     "--quiet", "--skip-parity"]) == 0
+                     "--quiet"]) == 0   # the post-check (C0 of the converted component) passes
         got = load_file(str(tmp_path / name / "model.safetensors"))
         assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), name
     save_file({**original, "vae.decoder.up_blocks.7.conv.weight": torch.zeros(1)}, str(src))
     capsys.readouterr()
     assert main(["ltx2", "--from", "original-vae", str(src), str(tmp_path / "bad"), "--config",
-                 str(tmp_path / "vae.json"), "--quiet", "--skip-parity"]) == 2
+                 str(tmp_path / "vae.json"), "--quiet"]) == 2
     assert "up_blocks.7" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
@@ -459,8 +458,7 @@ def test_fvconvert_from_the_original_single_file_connectors_and_vocoder(tmp_path
     src = tmp_path / "ltx-2-19b-dev.safetensors"
     save_file(original, str(src))
     (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-    args = ["ltx2", "--from", fmt, str(src), str(tmp_path / "out"), "--config", str(tmp_path / "cfg.json"), "--quiet",
-            "--skip-parity"]   # until parity/families/ltx2 wires the ltx2.<component> post-checks
+    args = ["ltx2", "--from", fmt, str(src), str(tmp_path / "out"), "--config", str(tmp_path / "cfg.json"), "--quiet"]
     assert main(args) == 0
     got = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -27,6 +27,7 @@ from parity.families.ltx2.media import (
     vocoder_probe,
 )
 from parity.families.ltx2.pipeline_golden import pipeline_probe
+from parity.families.ltx2.post_checks import COMPONENT_POST_CHECKS
 from parity.family import Fault, ParityFamily
 from parity.port.kit import PortedSides
 
@@ -70,4 +71,5 @@ FAMILY = ParityFamily(
     + C2_FAULTS + C3_FAULTS + C4_FAULTS,
     golden_probes={"ltx2.forward": SIDES.golden_probe(), "ltx2.pipeline": pipeline_probe,
                    "ltx2.video_vae": video_vae_probe, "ltx2.audio_vae": audio_vae_probe,
-                   "ltx2.vocoder": vocoder_probe}, check_converted=check_converted)
+                   "ltx2.vocoder": vocoder_probe}, check_converted=check_converted,
+    component_post_checks=COMPONENT_POST_CHECKS)

@@ -73,13 +73,14 @@ SERVING_BATCH_TOL = 1e-5      # a request batched with 7 others vs alone
 
 def audio_uses_video_guidance():
     """The optimized loop guides the audio stream with the video scale (the C1 fault, now inside a rollout)."""
-    def make(original):
-        def generate(self, cases, *a, **kw):
-            cases = [dataclasses.replace(c, request=dataclasses.replace(
-                c.request, audio_guidance_scale=c.request.guidance_scale)) for c in cases]
-            return original(self, cases, *a, **kw)
-        return generate
-    return patched(OptimizedSide, "generate", make)
+    from optimized.models.ltx2 import pipeline
+
+    def make(original):   # planted in the model's loop (the seam the catalogue's guidance mutations edit)
+        def generate_latents(transformer, connectors, requests, *a, **kw):
+            requests = [dataclasses.replace(r, audio_guidance_scale=r.guidance_scale) for r in requests]
+            return original(transformer, connectors, requests, *a, **kw)
+        return generate_latents
+    return patched(pipeline, "generate_latents", make)
 
 
 C2_FAULTS = {"sde-sigma-off-by-one": sde_sigma_off_by_one, "sde-noise-level-mismatch": sde_noise_level_mismatch,

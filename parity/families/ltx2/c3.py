@@ -26,7 +26,7 @@ import torch
 from manifests.solvers import SDEConfig
 from parity.families.ltx2 import c1
 from parity.families.ltx2.c2 import case, setup
-from parity.families.ltx2.rollout import MODALITIES, OptimizedSide, rollouts
+from parity.families.ltx2.rollout import MODALITIES, rollouts
 from parity.family import Fault
 from parity.patching import patched
 from parity.report import CheckResult, Report, exceptions_fail
@@ -64,11 +64,14 @@ def _guidance_drift():
 
 
 def _audio_std_inverted():
-    def make(original):
-        def generate(self, cases, stats, *a, **kw):
-            return original(self, cases, {**stats, "audio_std": 1 / stats["audio_std"]}, *a, **kw)
-        return generate
-    return patched(OptimizedSide, "generate", make)
+    from optimized.models.ltx2 import pipeline
+
+    def make(original):   # planted in the model's loop, where it de-normalises the audio latents
+        def generate_latents(transformer, connectors, requests, prompts, stats, *a, **kw):
+            return original(transformer, connectors, requests, prompts, {**stats, "audio_std": 1 / stats["audio_std"]},
+                            *a, **kw)
+        return generate_latents
+    return patched(pipeline, "generate_latents", make)
 
 
 C3_FAULTS = {"guidance-drift": _guidance_drift, "c3-audio-std-inverted": _audio_std_inverted}
