@@ -38,3 +38,28 @@ def test_executed_block_forwards_are_the_claimed_ones(name, monkeypatch):
     full = 2 * steps * L                                    # cond + uncond rows, every block, every step
     assert any(d.action != "compute" for d in decisions), f"{name}: no hit on the tiny model, nothing to check"
     assert sum(executed) == claimed < full
+
+
+def test_accelerated_segments_run_in_the_dits_graph_mode():
+    """A DiT configured for capture runs the accelerated step's block segments through its CompileCache too (the exact
+    stack is compiled / captured: the cached one must not fall back to eager); same decisions, same latents."""
+    from optimized.models.wan.denoise import WanDenoiseJob, WanDenoiseLoop
+    from optimized.models.wan.instance import WanModelInstance
+    from optimized.runtime.compile import CompileCache
+    from optimized.runtime.scheduler import WorkUnitScheduler
+
+    cfg, weights = tiny()
+    req = default_request(cfg, parse_accel(HOT["dbcache"]), 4, seed=1)
+    _, (eager,) = run([req])
+    model = WanModelInstance(cfg, weights, weights_version="accel-test")
+    dit = model.expert(1)
+    dit.graph_cache = CompileCache(emulate_capture=True)
+    dit.configure_graph("cuda")
+    sched = WorkUnitScheduler()
+    h = sched.submit(WanDenoiseLoop(model), WanDenoiseJob(req))
+    while not sched.idle:
+        sched.tick()
+    assert h.status == "completed", h.error
+    assert dit.graph_cache.stats.builds.get("replayed", 0) >= 2           # the two segments of a decide step
+    assert h.result["accel"]["decisions"] == eager["accel"]["decisions"]
+    assert (h.result["latents"]["vision"] - eager["latents"]["vision"]).abs().max() < 1e-5

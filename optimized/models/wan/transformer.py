@@ -504,7 +504,9 @@ class WanDiTFast:
 class WanCachedStack:
     """WanDiTFast as an `optimized.accel.stack.CachedStack`: the embeddings of a list of rows (objects with latents,
     timestep, text, image_embeds; batch dim 1 each) in one call, any block range on any subset of them, the head.
-    Eager and single-device (the accelerated step is refused under sequence / tensor parallelism and LoRA).
+    Single-device (the accelerated step is refused under sequence / tensor parallelism and LoRA). Each block segment
+    runs in the DiT's graph mode (`configure_graph`: compiled / captured per segment and rows, through its
+    CompileCache, as the exact stack) unless a sparse self-attention is routed in (that one runs eagerly).
 
     `self_attention(q, k, v, grid, step=, block=) -> (out, keys_skipped)`: a sparse self-attention ([B, N, H, d] in
     and out, the post-patch grid, this call's denoising step and block). It runs once per group of rows at the same
@@ -547,10 +549,37 @@ class WanCachedStack:
     @torch.no_grad()
     def run_blocks(self, batch: EmbeddedBatch, x: torch.Tensor, rows: list[int], start: int, end: int) -> torch.Tensor:
         b = batch.rows(rows)
+        if self.self_attention is None and self.dit.graph_mode != "eager":
+            return self._graph_blocks(b, x, start, end)
         for i in range(start, end):
             x = self.dit._block_forward(self.dit.blocks[i], x, b.ctx, b.img, b.timestep_proj, b.rope,
                                         self_attention=self._attention(batch.grid, rows, i))
         return x
+
+    def _graph_blocks(self, b: EmbeddedBatch, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Blocks [start, end) through the DiT's CompileCache in its graph mode (compiled / captured as the exact
+        stack is), one runner per (segment, rows, shape): the key names the block range, so a segment's graph never
+        serves another."""
+        dit, ctx, img, tp = self.dit, b.ctx, b.img, b.timestep_proj
+        shape = f"B={x.shape[0]};N={x.shape[1]};L={ctx.shape[1]};img={0 if img is None else img.shape[1]};" \
+                f"t={'token' if tp.ndim == 4 else 'sample'};blocks={start}-{end}"
+        key = GraphKey(family="wan", variant=dit.component_id, weights_version=dit.weights_version,
+                       dtype=str(dit.dtype).removeprefix("torch."), device=str(dit.device), bucket=shape,
+                       batch_size=x.shape[0], cfg_policy="accel", attention=dit.attention, mode=dit.graph_mode)
+
+        def segment(x, ctx, img, tp, cos, sin):
+            for i in range(start, end):
+                x = dit._block_forward(dit.blocks[i], x, ctx, img, tp, (cos, sin))
+            return (x,)
+
+        if img is None:  # a captured graph takes tensors only
+            body = lambda x, ctx, tp, cos, sin: segment(x, ctx, None, tp, cos, sin)  # noqa: E731
+            args = (x, ctx, tp, *b.rope)
+        else:
+            body, args = segment, (x, ctx, img, tp, *b.rope)
+        runner, info = dit.graph_cache.step(key, body, args)
+        dit.last_step_info = info.as_dict()
+        return runner(*args)[0]
 
     @torch.no_grad()
     def head(self, batch: EmbeddedBatch, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
