@@ -1,7 +1,7 @@
 """Where the accelerated step's time goes (issue 21): engine exact vs step caches on one model, one process.
 
     python tools/profile_accel.py [--model golden/trained/wan_shapes] [--requests 2] [--repeats 3]
-                                  [--accel SPEC ...] [--diffusers] [--profile SPEC]
+                                  [--accel SPEC ...] [--diffusers] [--graph eager|compile] [--profile SPEC]
 
 Rows (default: tools/bench_accel.py ACCELS; --accel adds / replaces specs): wall seconds for the request set (best
 of --repeats, the repeats interleaved round-robin over the rows so a load change on a shared machine hits every row
@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--accel", action="append", default=None, help="an accel spec row (repeatable)")
     ap.add_argument("--diffusers", action="store_true")
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--graph", default="eager", choices=("eager", "compile"),
+                    help="the engine DiT's graph mode (configure_graph): the exact stack and, since issue 21, the "
+                         "accelerated step's block segments run in it")
     a = ap.parse_args(argv)
 
     from optimized import Engine
@@ -44,6 +47,7 @@ def main(argv=None) -> int:
     from parity.quality.evaluate import FRAMES, GUIDANCE, SIZE, STEPS
 
     engine = Engine.from_checkpoint(a.model)
+    engine.model.configure_graph(a.graph)
     reqs = [(r.caption, r.seed) for r in list(HELD_OUT)[:a.requests]]
     counts = {"blocks": 0, "dit_s": 0.0}
     decisions: list = []
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
                 best[name] = (t, counts["blocks"], counts["dit_s"], decs, clips)
     exact = best["exact"][4]
     base = best["diffusers"][0] if "diffusers" in best else best["exact"][0]
-    print(f"ratios vs {'diffusers uncached' if 'diffusers' in best else 'engine exact'}; "
+    print(f"engine graph mode {a.graph}; ratios vs {'diffusers uncached' if 'diffusers' in best else 'engine exact'}; "
           f"{len(reqs)} requests, best of {a.repeats}, torch threads {torch.get_num_threads()}")
     print("| row | wall s | x | block-forwards run | claimed | DiT s | ms / block-forward | PSNR vs exact dB |")
     print("|---|---|---|---|---|---|---|---|")
