@@ -152,6 +152,7 @@ def _compiled_on_every_rank(report, world: int) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow   # compile-heavy on two ranks (~1.5 min on 2 cores); the default run keeps tests/test_compile.py
 def test_c1_ulysses2_compiled_passes_with_collectives_between_compiled_regions():
     """--graph compile under a plan: every rank's step body is compiled (dynamo graphs > 0, its graph broken at each
     collective, which runs eagerly with its byte count), every step within the loop tolerance of the reference."""
