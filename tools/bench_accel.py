@@ -82,6 +82,22 @@ def adherence(clips, captions) -> float | None:
     return adherence_rate([score_clip(c, cap) for c, cap in zip(clips, captions)])
 
 
+def diffusers_clips(pipe, reqs, size, frames: int, steps: int, guidance: float, max_len: int,
+                    per_request_setup=None) -> list[np.ndarray]:
+    """WanPipeline on each (caption, seed) request -> uint8 clips [F, H, W, 3] (per_request_setup(pipe) first)."""
+    out = []
+    for cap, seed in reqs:
+        if per_request_setup:
+            per_request_setup(pipe)
+        with torch.no_grad():
+            v = pipe(prompt=cap, negative_prompt="", height=size[0], width=size[1], num_frames=frames,
+                     num_inference_steps=steps, guidance_scale=guidance,
+                     generator=torch.Generator().manual_seed(seed), output_type="np",
+                     max_sequence_length=max_len).frames[0]
+        out.append((np.clip(v, 0, 1) * 255).round().astype(np.uint8))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "golden" / "trained" / "wan_shapes")
@@ -126,17 +142,8 @@ def main(argv=None) -> int:
             return pipe
 
         def run_diffusers(pipe, per_request_setup=None):
-            out = []
-            for cap, seed in reqs:
-                if per_request_setup:
-                    per_request_setup(pipe)
-                with torch.no_grad():
-                    v = pipe(prompt=cap, negative_prompt="", height=size[0], width=size[1], num_frames=frames,
-                             num_inference_steps=steps, guidance_scale=guidance,
-                             generator=torch.Generator().manual_seed(seed), output_type="np",
-                             max_sequence_length=cfg.max_sequence_length).frames[0]
-                out.append((np.clip(v, 0, 1) * 255).round().astype(np.uint8))
-            return out
+            return diffusers_clips(pipe, reqs, size, frames, steps, guidance, cfg.max_sequence_length,
+                                   per_request_setup)
 
         engine = Engine.from_checkpoint(model)
         engine.__dict__["checkpoint_path"] = str(model)

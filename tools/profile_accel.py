@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.bench_accel import ACCELS, IdsTokenizer, psnr
+from tools.bench_accel import ACCELS, IdsTokenizer, diffusers_clips, psnr
 
 
 def main(argv=None) -> int:
@@ -106,15 +106,7 @@ def main(argv=None) -> int:
         pipe.set_progress_bar_config(disable=True)
 
         def run_diffusers(_):
-            clips = []
-            for cap, seed in reqs:
-                with torch.no_grad():
-                    v = pipe(prompt=cap, negative_prompt="", height=SIZE[0], width=SIZE[1], num_frames=FRAMES,
-                             num_inference_steps=STEPS, guidance_scale=GUIDANCE,
-                             generator=torch.Generator().manual_seed(seed), output_type="np",
-                             max_sequence_length=cfg.max_sequence_length).frames[0]
-                clips.append((np.clip(v, 0, 1) * 255).round().astype(np.uint8))
-            return clips, []
+            return diffusers_clips(pipe, reqs, SIZE, FRAMES, STEPS, GUIDANCE, cfg.max_sequence_length), []
 
     specs = a.accel if a.accel else list(ACCELS.values())
     rows = [("exact", None, run_engine)] + [(s, s, run_engine) for s in specs]
