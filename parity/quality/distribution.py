@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from parity.rollout_checks import C3_ALPHA, min_p, two_sample_tests, SampleSet
+from parity.rollout_checks import C3_ALPHA, SampleSet, min_p, two_sample_tests
 
 EFFECT_SWEEP = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0)
 

@@ -59,7 +59,7 @@ def all_captions() -> list[Caption]:
     return [Caption(c, s, d, v) for c, s, d, v in itertools.product(COLOURS, SHAPES, DIRECTIONS, SPEEDS)]
 
 
-def _shape_mask(shape: str, cx: float, cy: float, side: float, h: int, w: int) -> np.ndarray:
+def shape_coverage(shape: str, cx: float, cy: float, side: float, h: int, w: int) -> np.ndarray:
     """Coverage in [0, 1] of each pixel [h, w] by the shape centred at (cx, cy) (pixel centres at i + 0.5)."""
     s = SUPERSAMPLE
     ys = (np.arange(h * s) + 0.5) / s
@@ -98,7 +98,7 @@ def render_clip(caption: Caption | str, seed: int = 0, frames: int = 9, size: tu
     colour = np.array(COLOURS[cap.colour], dtype=np.float32)
     out = np.zeros((frames, h, w, 3), dtype=np.float32)
     for f, (cx, cy) in enumerate(path_centres(cap, seed, frames, size)):
-        out[f] = _shape_mask(cap.shape, cx, cy, side, h, w)[..., None].astype(np.float32) * colour
+        out[f] = shape_coverage(cap.shape, cx, cy, side, h, w)[..., None].astype(np.float32) * colour
     return out
 
 
