@@ -178,3 +178,32 @@ def test_short_recipe_is_deterministic_and_learns(tmp_path):
         losses = np.array([r["loss"] for r in log1 if r["stage"] == stage])
         k = max(1, len(losses) // 4)
         assert losses[-k:].mean() < losses[:k].mean(), (stage, losses)
+
+
+@pytest.mark.parametrize("argv", [["--rescore", "{tmp}"], ["--set", "dit.patch_size=2"], ["--set", "dit.no_such=1"],
+                                  ["--set", "dit_steps"], ["--set", "vae.decoder_base_dim=8"]])
+def test_train_tiny_refuses_bad_arguments_before_training(argv, tmp_path, capsys):
+    """A directory that is not a model, or a --set that names no scalar field: exit 2 and one line, nothing trained."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_tiny
+    assert train_tiny.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_train_tiny_set_reaches_a_part_config():
+    """--set dit.num_layers=6 changes that field of the recipe's DiT config (the value the parser gives it)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import train_tiny
+    seen = {}
+    real = train_tiny.train
+    train_tiny.train = lambda recipe, vae_from=None: seen.setdefault("recipe", recipe) and (_ for _ in ()).throw(
+        SystemExit(0))
+    try:
+        with pytest.raises(SystemExit):
+            train_tiny.main(["--set", "dit.num_layers=6", "--set", "dit_steps=7", "--out", "/nonexistent/x"])
+    finally:
+        train_tiny.train = real
+    assert seen["recipe"].dit["num_layers"] == 6 and seen["recipe"].dit_steps == 7
+    assert train_tiny.Recipe().dit["num_layers"] == 4            # the default's table is not shared

@@ -519,14 +519,21 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = item.partition("=")
         part, _, sub = key.partition(".")
         table = getattr(recipe, part, None)
-        if sub and isinstance(table, dict) and isinstance(table.get(sub), (int, float, str)) \
-                and not isinstance(table.get(sub), bool):
-            table[sub] = type(table[sub])(value)                 # a scalar inside a part's config: dit.num_layers=6
-        elif not sub and hasattr(recipe, key) and not isinstance(getattr(recipe, key), (dict, tuple)):
-            setattr(recipe, key, type(getattr(recipe, key))(value))
-        else:
+        try:
+            if sub and isinstance(table, dict) and isinstance(table.get(sub), (int, float, str)) \
+                    and not isinstance(table.get(sub), bool):
+                table[sub] = type(table[sub])(value)             # a scalar inside a part's config: dit.num_layers=6
+            elif not sub and hasattr(recipe, key) and not isinstance(getattr(recipe, key), (dict, tuple)):
+                setattr(recipe, key, type(getattr(recipe, key))(value))
+            else:
+                raise KeyError(key)
+        except KeyError:
             print(f"error: --set {item}: not a scalar recipe field (FIELD=VALUE, or PART.FIELD=VALUE for a scalar "
                   f"of the text / vae / dit configs)", file=sys.stderr)
+            return 2
+        except ValueError:
+            print(f"error: --set {item}: {value!r} is not of type {type(table[sub] if sub else getattr(recipe, key)).__name__}",
+                  file=sys.stderr)
             return 2
     t0, c0 = time.time(), time.process_time()
     cfg, weights, log, tok_dir = train(recipe, Path(args.vae_from) if args.vae_from else None)
