@@ -141,7 +141,8 @@ def placeholder_set(seeds=PLACEHOLDER_SEEDS, steps: int = PLACEHOLDER_STEPS, var
                       disjoint, [None] * len(reqs))
 
 
-def held_out_set(checkpoint: Path, limit: int | None = None) -> RequestSet:
+def held_out_set(checkpoint: Path, limit: int | None = None, steps: int | None = None) -> RequestSet:
+    """The HELD_OUT captions at the evaluation settings (parity.quality.evaluate; `steps` overrides its STEPS)."""
     from manifests.checkpoint import CheckpointError, load_state, read_checkpoint
     from optimized.runtime.artifacts import to_uint8_frames
     from parity.quality import HELD_OUT
@@ -160,8 +161,8 @@ def held_out_set(checkpoint: Path, limit: int | None = None) -> RequestSet:
     chosen = list(HELD_OUT)[:limit] if limit else list(HELD_OUT)
 
     def build(caption: str, seed: int):
-        return proc.build_request(caption, None, None, num_frames=FRAMES, height=SIZE[0], width=SIZE[1], steps=STEPS,
-                                  guidance=GUIDANCE, seed=seed)
+        return proc.build_request(caption, None, None, num_frames=FRAMES, height=SIZE[0], width=SIZE[1],
+                                  steps=steps or STEPS, guidance=GUIDANCE, seed=seed)
 
     ref = WanReferencePipeline(cfg, weights)
 
@@ -283,7 +284,8 @@ def _c1(spec: AccelSpec, rs: RequestSet, fault: str | None) -> dict:
 
 
 def certify(family: str, accel: str, *, checkpoint: str | Path | None = None, budget: AccelBudget | None = None,
-            fault: str | None = None, limit: int | None = None, request_set: RequestSet | None = None) -> Certificate:
+            fault: str | None = None, limit: int | None = None, request_set: RequestSet | None = None,
+            steps: int | None = None) -> Certificate:
     """Run both paths and judge. `fault` plants a negative control in the engine for every accelerated run."""
     if family != "wan":
         raise CertifyError(f"certify: family {family!r} is not wired yet (wan only)")
@@ -294,7 +296,9 @@ def certify(family: str, accel: str, *, checkpoint: str | Path | None = None, bu
     if fault is not None and fault not in FAULTS:
         raise CertifyError(f"unknown fault {fault!r} (known: {', '.join(FAULTS)})")
     budget = budget or AccelBudget()
-    rs = request_set or (held_out_set(Path(checkpoint), limit) if checkpoint else placeholder_set())
+    if steps is not None and not checkpoint:
+        raise CertifyError("--steps applies to the held-out set of a --checkpoint")
+    rs = request_set or (held_out_set(Path(checkpoint), limit, steps) if checkpoint else placeholder_set())
     try:
         # one untimed request on each path first: torch's first-call costs would otherwise land on the exact side
         run_engine(rs, rs.requests[:1], None)
@@ -393,19 +397,25 @@ def write_certificate(cert: Certificate, out: Path) -> None:
 @click.option("--budget", default=None, metavar="k=v,...",
               help="Override the declared budget: min_psnr_db, min_ssim, max_adherence_drop, c3_alpha.")
 @click.option("--limit", type=int, default=None, help="Use the first N held-out requests only (>= 4 for C3).")
+@click.option("--steps", type=int, default=None,
+              help="Denoising steps of the held-out requests (default: the evaluation's, "
+                   "parity.quality.evaluate.STEPS = 12); needs --checkpoint.")
 @click.option("--plant-fault", "fault", type=click.Choice(FAULTS), default=None,
               help="Negative control: plant this engine fault; the certificate must fail and say why.")
 def certify_cmd(family: str, accel: str, checkpoint: Path | None, out: Path | None, budget: str | None,
-                limit: int | None, fault: str | None) -> None:
+                limit: int | None, steps: int | None, fault: str | None) -> None:
     """Certify an acceleration: exact vs accelerated engine paths on the contract's request set; a JSON certificate
     (speed-up, PSNR / SSIM, adherence change, C3, C1 under the acceleration, budget, pass / fail with reasons).
     Exit 0 passed, 1 failed, 2 bad input."""
     try:
         if limit is not None and limit < 1:
             raise CertifyError("--limit must be >= 1")
+        if steps is not None and steps < 1:
+            raise CertifyError("--steps must be >= 1")
         if checkpoint is not None and not checkpoint.is_dir():
             raise CertifyError(f"{checkpoint}: no such model directory")
-        cert = certify(family, accel, checkpoint=checkpoint, budget=parse_budget(budget), fault=fault, limit=limit)
+        cert = certify(family, accel, checkpoint=checkpoint, budget=parse_budget(budget), fault=fault, limit=limit,
+                       steps=steps)
     except CertifyError as e:
         raise click.UsageError(str(e)) from None
     if out is not None:

@@ -30,6 +30,7 @@ SPECS = {
     "taylorseer": "taylorseer:before=1,interval=2,order=1",
     "magcache": "magcache:ratios=1.0/0.99/0.98/0.97,retention=0.0,threshold=0.5,max_skip=2",
     "guidance_interval": "guidance_interval:start=2,end=6",
+    "cfg_delta": "cfg_delta:warmup=2,interval=3,cooldown=1",   # of 8 steps: uncond runs 0, 1, 2, 5, 7
 }
 _MODEL: dict = {}
 
@@ -68,7 +69,7 @@ def test_c1_under_acceleration_decisions_and_latents_agree(name):
     assert "compute" in kinds and kinds & {"reuse", "predict", "skip"}, kinds
 
 
-@pytest.mark.parametrize("name", ["fbcache", "dbcache"])
+@pytest.mark.parametrize("name", ["fbcache", "dbcache", "cfg_delta"])
 @pytest.mark.parametrize("fault", ["never_refresh", "wrong_branch"])
 def test_negative_controls_fail_and_are_localised(name, fault):
     _, weights = tiny()
@@ -79,6 +80,18 @@ def test_negative_controls_fail_and_are_localised(name, fault):
     assert bad.check == "latents" or bad.branch in ("cond", "uncond"), bad
     if fault == "never_refresh":   # the first refresh happens at step 1 at the earliest
         assert bad.step >= 1, bad
+
+
+def test_cfg_delta_runs_uncond_on_warmup_interval_and_cooldown_steps_only():
+    cfg, _ = tiny()
+    _, (res,) = run([default_request(cfg, parse_accel(SPECS["cfg_delta"]), 8)])
+    by_branch = {b: [d.action for d in res["accel"]["decisions"] if d.branch == b] for b in ("cond", "uncond")}
+    assert by_branch["cond"] == ["compute"] * 8
+    # warmup=2: 0, 1; then every 3rd step from 2: 2, 5; cooldown=1: 7
+    assert [i for i, a in enumerate(by_branch["uncond"]) if a == "compute"] == [0, 1, 2, 5, 7]
+    assert [i for i, a in enumerate(by_branch["uncond"]) if a == "predict"] == [3, 4, 6]
+    bad = first_failure(run_accel_c1("wan", SPECS["cfg_delta"], weights=tiny()[1], fault="wrong_branch"))
+    assert bad.step == 3 and bad.branch == "uncond" and bad.check == "decision", bad   # no delta there: computes
 
 
 def test_magcache_stale_stack_residual_is_caught():

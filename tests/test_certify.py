@@ -57,6 +57,16 @@ def test_never_refreshing_cache_fails_its_certificate(small_set):
     assert any(r.startswith("C1 under fbcache") for r in cert.reasons)
 
 
+def test_cfg_delta_never_refreshing_its_delta_fails_its_certificate():
+    steps8 = placeholder_set(steps=8)
+    clean = certify("wan", "cfg_delta:warmup=2,interval=3,cooldown=1", request_set=steps8)
+    assert clean.c1["passed"] and clean.speedup["block_forwards_skipped_fraction"] == 3 / 16   # 3 of 8 uncond
+    cert = certify("wan", "cfg_delta:warmup=2,interval=3,cooldown=1", fault="never_refresh", request_set=steps8)
+    assert not cert.passed and not cert.c1["passed"]
+    # the first prediction (step 3) uses step 0's delta instead of step 2's
+    assert cert.c1["first_failure"]["step"] == 3 and cert.c1["first_failure"]["check"] == "latents"
+
+
 def test_sparse_mask_without_diagonal_fails_its_certificate(small_set):
     cert = certify("wan", "sta", fault="drop_diagonal", request_set=small_set)
     assert not cert.passed and cert.c1["first_failure"]["step"] == 0
@@ -79,6 +89,8 @@ def test_budget_parsing():
     (["cosmos3", "--accel", "fbcache"], "not wired"),
     (["wan", "--accel", "fbcache", "--budget", "speed=2"], "--budget"),
     (["wan", "--accel", "fbcache", "--checkpoint", "/nonexistent/dir"], "no such model directory"),
+    (["wan", "--accel", "cfg_delta", "--steps", "0"], "--steps must be >= 1"),
+    (["wan", "--accel", "cfg_delta", "--steps", "30"], "--checkpoint"),
 ])
 def test_bad_input_is_a_usage_error_and_writes_nothing(args, needle, tmp_path):
     out = tmp_path / "cert.json"

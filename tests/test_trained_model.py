@@ -207,3 +207,14 @@ def test_train_tiny_set_reaches_a_part_config():
         train_tiny.train = real
     assert seen["recipe"].dit["num_layers"] == 6 and seen["recipe"].dit_steps == 7
     assert train_tiny.Recipe().dit["num_layers"] == 4            # the default's table is not shared
+
+
+@pytest.mark.slow
+def test_cfg_delta_certificate_passes_on_all_held_out_requests_at_30_steps():
+    """The certified lossy acceleration of the README's table: every one of the 16 held-out requests within the
+    default budget (worst-request PSNR >= 30 dB, SSIM >= 0.9, adherence drop <= 2 points, C3), C1 under it passes."""
+    from parity.certify import certify
+    cert = certify("wan", "cfg_delta:warmup=4,interval=4,cooldown=2", checkpoint=MODEL, steps=30)
+    assert cert.requests["k"] == 16 and cert.requests["steps"] == 30
+    assert cert.passed, cert.reasons
+    assert cert.speedup["block_forwards_skipped_fraction"] == pytest.approx(0.3)   # 18 of 30 uncond steps

@@ -1,6 +1,7 @@
 """Accelerations, speed and quality, in one process on the same weights and requests (issue 21 part 6).
 
-    python tools/bench_accel.py [--model golden/trained/wan_shapes] [--requests 4] [--repeats 3]
+    python tools/bench_accel.py [--model golden/trained/wan_shapes] [--requests 4] [--repeats 3] [--steps 30]
+                                [--accel cfg_delta --accel ...] [--dbcache-thresholds 0.08,0.15]
 
 Rows (each: wall seconds for the request set, ratio vs diffusers uncached, PSNR of the decoded frames vs the engine's
 exact frames of the same request and seed (worst request), prompt adherence on the set when the model is the
@@ -9,10 +10,14 @@ trained one):
     diffusers            WanPipeline.from_pretrained(the export: fvconvert export --to diffusers), no cache
     diffusers+fbcache    diffusers 0.42.1 FirstBlockCache hook      (apply_first_block_cache)
     diffusers+taylorseer diffusers 0.42.1 TaylorSeer (lite) hook    (apply_taylorseer_cache)
-    diffusers+magcache   diffusers 0.42.1 MagCache hook (ratios calibrated on this model by diffusers' own calibration run)
-    cache-dit DBCache    cache-dit 1.5.3 DBCache on the pipeline's transformer (skipped when cache_dit is missing)
+    cache-dit DBCache    cache-dit 1.5.3 DBCache on the pipeline's transformer, one row per --dbcache-thresholds value
+                         (skipped when cache_dit is missing)
     engine exact         optimized Engine, prompt -> frames
-    engine+<accel>       the same with each acceleration (same knobs as the diffusers / cache-dit rows)
+    engine+<accel>       the same with each acceleration (same knobs as the diffusers / cache-dit rows), then every
+                         --accel (engine-only kinds such as cfg_delta)
+
+(No MagCache row: its ratios are model-dependent and need a calibration run first; the engine's magcache is held to
+diffusers' hook by the upstream goldens instead.)
 
 The diffusers pipeline's tokenizer is a shim giving the model directory's own token ids (the trained model's
 word-level tokenizer is not a T5 tokenizer diffusers can load); the text encoder, scheduler, DiT, VAE and noise
@@ -42,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 ACCELS = {   # one knob set per kind, the same on the engine and the upstream rows
     "fbcache": "fbcache:threshold=0.05",
     "taylorseer": "taylorseer:interval=3,before=2",
-    "dbcache": "dbcache:fn=1,bn=0,threshold=0.08,warmup=2",
 }
+DBCACHE = "dbcache:fn=1,bn=0,threshold={t},warmup=2"   # cache-dit's DBCacheConfig with the same knobs per threshold
 
 
 class IdsTokenizer:
@@ -104,9 +109,25 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed runs per row, round-robin over the rows (the best is kept)")
-    ap.add_argument("--skip-magcache", action="store_true")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="denoising steps (default: the evaluation's, parity.quality.evaluate.STEPS)")
+    ap.add_argument("--accel", action="append", default=[], metavar="NAME[:knobs]",
+                    help="an extra engine row (repeatable), e.g. cfg_delta:warmup=4,interval=4,cooldown=2")
+    ap.add_argument("--dbcache-thresholds", default="0.08", metavar="T[,T...]",
+                    help="residual_diff_threshold of each engine dbcache / cache-dit DBCache row pair "
+                    "(default 0.08, upstream's)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
+    from manifests.accel import AccelSpecError, parse_accel
+    try:
+        thresholds = [float(t) for t in a.dbcache_thresholds.split(",") if t.strip()]
+        for spec in a.accel + [DBCACHE.format(t=t) for t in thresholds]:
+            parse_accel(spec)
+        if a.steps is not None and a.steps < 1:
+            raise AccelSpecError("--steps must be >= 1")
+    except (ValueError, AccelSpecError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
 
     import diffusers
@@ -126,10 +147,10 @@ def main(argv=None) -> int:
             from parity.quality import HELD_OUT
             from parity.quality.evaluate import FRAMES, GUIDANCE, SIZE, STEPS
             reqs = [(r.caption, r.seed) for r in list(HELD_OUT)[:a.requests]]
-            frames, size, steps, guidance = FRAMES, SIZE, STEPS, GUIDANCE
+            frames, size, steps, guidance = FRAMES, SIZE, a.steps or STEPS, GUIDANCE
         else:
             reqs = [(f"a cat number {i}", i) for i in range(a.requests)]
-            frames, size, steps, guidance = 5, (32, 32), 8, 5.0
+            frames, size, steps, guidance = 5, (32, 32), a.steps or 8, 5.0
         captions = [c if trained else None for c, _ in reqs]
         export_diffusers(model, tmp / "diffusers")
         proc = WanProcessor(ckpt.assets["tokenizer"], cfg.max_sequence_length)
@@ -161,7 +182,8 @@ def main(argv=None) -> int:
         # (measurement) every row is warmed up once, then the --repeats timed runs go round-robin over the rows and
         # the best is kept: on a shared machine a load change during one row's runs would otherwise bias that row
         runs = [("engine exact", run_engine, "")]
-        runs += [(f"engine+{kind}", (lambda s=spec: run_engine(s)), spec) for kind, spec in ACCELS.items()]
+        engine_specs = [*ACCELS.values(), *(DBCACHE.format(t=t) for t in thresholds), *a.accel]
+        runs += [(f"engine+{spec.partition(':')[0]}", (lambda s=spec: run_engine(s)), spec) for spec in engine_specs]
         pipe = diffusers_pipe()
         runs.insert(0, ("diffusers", lambda: run_diffusers(pipe), ""))
         from diffusers.hooks import (
@@ -180,36 +202,38 @@ def main(argv=None) -> int:
         try:
             import cache_dit
             from cache_dit import DBCacheConfig
-            p = diffusers_pipe()
-            # (measurement) num_inference_steps: cache-dit refreshes its context (step counter, warm-up, buffers)
-            # every `steps` transformer steps, i.e. per request as the engine's per-request rules do; without it the
-            # counter runs on across the request set and only the first request gets its 2 warm-up steps
-            cache_dit.enable_cache(p.transformer, cache_config=DBCacheConfig(
-                Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=0.08, max_warmup_steps=2,
-                enable_separate_cfg=True, num_inference_steps=steps))
-            runs.append((f"cache-dit {cache_dit.__version__} DBCache", (lambda p=p: run_diffusers(p)),
-                         ACCELS["dbcache"]))
+            for t in thresholds:
+                p = diffusers_pipe()
+                # (measurement) num_inference_steps: cache-dit refreshes its context (step counter, warm-up, buffers)
+                # every `steps` transformer steps, i.e. per request as the engine's per-request rules do; without it
+                # the counter runs on across the request set and only the first request gets its 2 warm-up steps
+                cache_dit.enable_cache(p.transformer, cache_config=DBCacheConfig(
+                    Fn_compute_blocks=1, Bn_compute_blocks=0, residual_diff_threshold=t, max_warmup_steps=2,
+                    enable_separate_cfg=True, num_inference_steps=steps))
+                runs.append((f"cache-dit {cache_dit.__version__} DBCache", (lambda p=p: run_diffusers(p)),
+                             DBCACHE.format(t=t)))
         except ImportError as e:
             print(f"cache-dit not installed: its row is skipped ({e})", file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - an upstream failure is a row that says so, not a crash
             print(f"cache-dit DBCache failed on this pipeline: {type(e).__name__}: {e}", file=sys.stderr)
 
-        best: dict[str, tuple[float, list]] = {}
-        for name, fn, _ in runs:                       # warm-up (lazy init, caches)
+        best: dict[tuple[str, str], tuple[float, list]] = {}   # (row, accel) -> (best wall, clips)
+        for name, fn, spec in runs:                    # warm-up (lazy init, caches)
             try:
-                best[name] = (math.inf, fn())
+                best[name, spec] = (math.inf, fn())
             except Exception as e:  # noqa: BLE001 - an upstream failure is a row that says so, not a crash
-                print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        runs = [r for r in runs if r[0] in best]
-        for _ in range(a.repeats):
-            for name, fn, _ in runs:
+                print(f"{name} {spec} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        runs = [r for r in runs if (r[0], r[2]) in best]
+        for repeat in range(a.repeats):
+            for name, fn, spec in runs:
                 t0 = time.perf_counter()
                 res = fn()
                 t = time.perf_counter() - t0
-                if t < best[name][0]:
-                    best[name] = (t, res)
-        exact = best["engine exact"][1]
-        rows = [(name, best[name][0], best[name][1], spec) for name, _, spec in runs]
+                if t < best[name, spec][0]:
+                    best[name, spec] = (t, res)
+            print(f"repeat {repeat + 1}/{a.repeats} done", file=sys.stderr, flush=True)
+        exact = best["engine exact", ""][1]
+        rows = [(name, best[name, spec][0], best[name, spec][1], spec) for name, _, spec in runs]
 
         base = next(t for n, t, _, _ in rows if n == "diffusers")
         table = []

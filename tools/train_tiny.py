@@ -500,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"model directory to (re)write (default {DEFAULT_OUT})")
     p.add_argument("--short", action="store_true", help="the shortened recipe (seconds; the slow test's)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a scalar recipe field (dit_steps=800) or a scalar of a part's config (dit.num_layers=6); "
-                   "repeatable")
+                   help="override a scalar recipe field (dit_steps=800), a scalar of a part's config "
+                   "(dit.num_layers=6) or an int tuple of one (dit.patch_size=1,2,2); repeatable")
     p.add_argument("--vae-from", metavar="DIR", help="reuse the VAE of an earlier output of this tool whose recipe "
                    "has the same VAE fields (iterating on the DiT recipe)")
     p.add_argument("--rescore", metavar="DIR", help="no training: rewrite DIR's quality.json and SHA256SUMS with the "
@@ -523,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
             if sub and isinstance(table, dict) and isinstance(table.get(sub), (int, float, str)) \
                     and not isinstance(table.get(sub), bool):
                 table[sub] = type(table[sub])(value)             # a scalar inside a part's config: dit.num_layers=6
+            elif sub and isinstance(table, dict) and isinstance(table.get(sub), (tuple, list)) \
+                    and all(type(v) is int for v in table[sub]):
+                table[sub] = tuple(int(v) for v in value.split(","))   # an int tuple: dit.patch_size=1,2,2
             elif not sub and hasattr(recipe, key) and not isinstance(getattr(recipe, key), (dict, tuple)):
                 setattr(recipe, key, type(getattr(recipe, key))(value))
             else:
@@ -532,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"of the text / vae / dit configs)", file=sys.stderr)
             return 2
         except ValueError:
-            print(f"error: --set {item}: {value!r} is not of type {type(table[sub] if sub else getattr(recipe, key)).__name__}",
+            print(f"error: --set {item}: {value!r} is not of the type of "
+                  f"{table[sub] if sub else getattr(recipe, key)!r}",
                   file=sys.stderr)
             return 2
     t0, c0 = time.time(), time.process_time()

@@ -20,6 +20,9 @@ a reused residual or a predicted output is not what the blocks would have comput
                  accumulated ratio *= ratios[step], err += |1 - ratio|; skip (out = in + last whole-stack residual)
                  while err <= threshold and accumulated steps <= max_skip; a refusal resets the accumulators.
     guidance_interval  CFG (the uncond branch) only on steps in [start, end); other steps use the cond velocity.
+    cfg_delta    (this project's; FasterCache's CFG-Cache idea without its frequency split) the uncond branch runs on
+                 steps < warmup, every `interval` steps after them and the last `cooldown` steps; between them
+                 uncond = cond - (cond - uncond) of the last step that ran both. Wan only.
 """
 
 from __future__ import annotations
@@ -83,6 +86,14 @@ KINDS: tuple[AccelKind, ...] = (
         knobs=(Knob("start", 0, int, "first step (0-based) that runs CFG", low=0),
                Knob("end", None, int, "first step that no longer runs CFG (None = until the last)", low=0)),
         cache_key_fields=(), loops=_DENOISE_LOOPS),
+    AccelKind(
+        name="cfg_delta", exact=False,
+        summary="CFG delta reuse: the uncond branch runs every `interval` steps; between them uncond = cond - the "
+                "last (cond - uncond)",
+        knobs=(Knob("warmup", 4, int, "the first steps always run both branches", low=1),
+               Knob("interval", 4, int, "after the warmup, the uncond branch runs on every interval-th step", low=1),
+               Knob("cooldown", 2, int, "the last steps always run both branches", low=0)),
+        cache_key_fields=("accel", "request", "branch"), loops=("wan.denoise",)),
 )
 
 

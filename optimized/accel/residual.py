@@ -1,12 +1,12 @@
 """The residual store: the tensors the step caches keep between steps, as a typed cache class in the engine's cache
 store (designv2 "first-block and residual caches").
 
-A `ResidualCache` wraps a `CacheStore`; each entry is keyed by a full `CacheKey` whose input_hashes name the request,
-the CFG branch, the block range, the slot ("fn_residual": the decision residual of blocks [0, Fn); "mid_residual":
-what blocks [Fn, L - Bn) added; "stack_residual": what the whole block stack added; "taylor": Taylor factors) and
-the acceleration's `cache_key_part()`. A value computed for one branch, block range or acceleration can never be
-read for another. Eviction (LRU by bytes) is safe: a missing entry makes the rule compute, as an empty upstream
-buffer does.
+A `ResidualCache` wraps a `CacheStore`; each entry is keyed by a full `CacheKey` whose input_hashes name the
+request, the CFG branch, the block range, the slot ("fn_residual": the decision residual of blocks [0, Fn);
+"mid_residual": what blocks [Fn, L - Bn) added; "stack_residual": what the whole block stack added; "taylor": Taylor
+factors; "cfg_delta": cond - uncond output of the last step that ran both) and the acceleration's
+`cache_key_part()`. A value computed for one branch, block range or acceleration can never be read for another.
+Eviction (LRU by bytes) is safe: a missing entry makes the rule compute, as an empty upstream buffer does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from manifests.accel import AccelSpec
 from optimized.runtime.cache import CacheKey, CacheStore
 
 RESIDUAL_CONTRACT = "accel-residual-v1"
-SLOTS = ("fn_residual", "mid_residual", "stack_residual", "taylor")
+SLOTS = ("fn_residual", "mid_residual", "stack_residual", "taylor", "cfg_delta")
 
 
 @dataclass(frozen=True)

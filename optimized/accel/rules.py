@@ -29,8 +29,9 @@ def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
 class StepPlan:
     """What a branch does this step before any tensor is seen.
 
-    action: "skip" (the branch is not run: guidance interval), "predict" (no forward: TaylorSeer), "reuse" (no block
-    runs: MagCache), "compute" (every block), "decide" (run blocks [0, decide_at), then `decide`)."""
+    action: "skip" (the branch is not run: guidance interval), "predict" (no forward: TaylorSeer), "from_cond" (no
+    forward: the request's cond output of this step minus the stored CFG delta), "reuse" (no block runs: MagCache),
+    "compute" (every block), "decide" (run blocks [0, decide_at), then `decide`)."""
     action: str
     decide_at: int = 0
 
@@ -230,7 +231,27 @@ class GuidanceIntervalRule(BranchRule):
         return StepPlan("compute" if self.branch == "cond" or inside else "skip")
 
 
-CACHE_KINDS = ("fbcache", "dbcache", "taylorseer", "magcache", "guidance_interval")
+# ------------------------------------------------------------------------------------------------ cfg delta
+@dataclass
+class CfgDeltaRule(BranchRule):
+    """The uncond branch runs on warmup / interval / cooldown steps and files cond - uncond; on the others it is
+    predicted as this step's cond output minus that delta (no forward). The cond branch always computes."""
+    warmup: int
+    interval: int
+    cooldown: int
+    num_steps: int
+    branch: str
+    kind: str = "cfg_delta"
+
+    def refreshes(self, step: int) -> bool:
+        return (self.branch == "cond" or step < self.warmup or (step - self.warmup) % self.interval == 0
+                or step >= self.num_steps - self.cooldown)
+
+    def plan(self, step: int) -> StepPlan:
+        return StepPlan("compute" if self.refreshes(step) else "from_cond")
+
+
+CACHE_KINDS = ("fbcache", "dbcache", "taylorseer", "magcache", "guidance_interval", "cfg_delta")
 
 
 def make_rule(spec: AccelSpec, branch: str, num_steps: int, num_layers: int) -> BranchRule:
@@ -259,4 +280,6 @@ def make_rule(spec: AccelSpec, branch: str, num_steps: int, num_layers: int) -> 
     if spec.name == "guidance_interval":
         end = g("end")
         return GuidanceIntervalRule(int(g("start")), None if end is None else int(end), branch)
+    if spec.name == "cfg_delta":
+        return CfgDeltaRule(int(g("warmup")), int(g("interval")), int(g("cooldown")), num_steps, branch)
     raise AccelSpecError(f"accel {spec.name}: not a step / residual cache")

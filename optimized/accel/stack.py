@@ -1,7 +1,8 @@
 """One batched DiT step under step / residual caches, for rows that made different decisions.
 
 A row is one request's one CFG branch. Before any tensor is seen each row's rule plans the step: "skip" (the branch
-does not run), "predict" (TaylorSeer: no forward), "reuse" (MagCache: no block runs), "compute", or "decide" at
+does not run), "predict" (TaylorSeer: no forward), "from_cond" (cfg_delta: the request's cond output minus the stored
+CFG delta, no forward), "reuse" (MagCache: no block runs), "compute", or "decide" at
 block k (FBCache k = 1, DBCache k = Fn). Every row that runs shares ONE embedding call, then the block stack runs
 segment by segment between the rows' decision points: a segment's blocks run once for all the rows still computing
 there (a reused row leaves the batch at its decision point and rejoins it for its last Bn blocks), and one head call
@@ -21,6 +22,7 @@ from manifests.accel import AccelDecision
 from optimized.accel.residual import ResidualCache, ResidualOwner, detach
 from optimized.accel.rules import (
     BranchRule,
+    CfgDeltaRule,
     DualBlockRule,
     MagCacheRule,
     StepPlan,
@@ -77,6 +79,15 @@ def cached_forward(stack: CachedStack, inputs: Sequence[Any], rows: Sequence[Acc
                 raise RuntimeError(f"taylorseer: the factors of {r.branch} were evicted before step {r.step}")
             outputs[j] = r.rule.predict(r.step, factors, stack.dtype)
             decisions[j] = AccelDecision(r.step, r.branch, "predict")
+    cond_row = {rows[j].owner: j for j in range(len(rows)) if rows[j].branch == "cond"}
+    deltas: dict[int, torch.Tensor] = {}              # from_cond row -> its stored CFG delta
+    for j, (r, p) in enumerate(zip(rows, plans)):
+        if p.action == "from_cond":
+            delta = cache.load(r.owner, r.branch, full, "cfg_delta")
+            if delta is None or r.owner not in cond_row:   # evicted (or no cond row): the branch computes
+                actions[j] = "compute"
+            else:
+                deltas[j] = delta
 
     run = [j for j, a in enumerate(actions) if a in ("compute", "decide", "reuse")]
     if run:
@@ -144,6 +155,14 @@ def cached_forward(stack: CachedStack, inputs: Sequence[Any], rows: Sequence[Acc
             else:
                 decisions[j] = AccelDecision(r.step, r.branch, "compute", blocks_computed=full, metric=metric,
                                              keys_skipped=skipped)
+    for j, r in enumerate(rows):
+        if isinstance(r.rule, CfgDeltaRule) and r.branch == "uncond" and r.owner in cond_row:
+            cond = outputs[cond_row[r.owner]]
+            if j in deltas:                            # this step's cond output minus the last cond - uncond
+                outputs[j] = cond - deltas[j]
+                decisions[j] = AccelDecision(r.step, r.branch, "predict")
+            else:
+                cache.store_value(r.owner, r.branch, full, "cfg_delta", detach(cond - outputs[j]))
     for r, d in zip(rows, decisions):
         r.rule.after(r.step, d.action)
     return outputs, list(decisions)

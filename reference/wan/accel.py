@@ -10,6 +10,8 @@ Each acceleration is written out as upstream runs it (manifests/accel/caches.py 
     magcache     after the retention steps, accumulate ratio and error from the mag_ratios; skip all blocks while the
                  error and the skipped-step count allow it: out = in + last residual of the whole stack.
     guidance_interval  the uncond branch runs only on steps in [start, end).
+    cfg_delta    the uncond branch runs on warmup / interval / cooldown steps and keeps cond - uncond; on the other
+                 steps uncond = this step's cond output - that difference.
 
 Every call returns the branch's DiT output (None when the branch does not run) and one AccelDecision, so C1 under
 an acceleration can compare the engine's decisions with these first, tensors second.
@@ -56,6 +58,7 @@ class BranchCache:
         self.diff_sum = 0.0            # dbcache: accumulated positive diffs
         self.diff_seen = set()         # dbcache: steps whose diff is already counted
         self.ratio, self.error, self.skipped = 1.0, 0.0, 0   # magcache accumulators
+        self.cfg_delta_last = None     # cfg_delta (uncond branch): cond - uncond of the last step that ran both
         if spec.name == "magcache":
             ratios = torch.tensor(mag_ratios(self.knob("ratios")))   # fp32, as upstream's torch.tensor(list)
             if len(ratios) != num_steps:   # nearest interpolation to the run's steps (upstream nearest_interp)
@@ -68,9 +71,12 @@ class BranchCache:
 
     # ------------------------------------------------------------------ one step
     def forward(self, model: WanTransformer, step: int, x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
-                image_embeds: torch.Tensor | None, sparse_attention=None):
-        """(DiT output or None, AccelDecision) of this branch at `step`."""
+                image_embeds: torch.Tensor | None, sparse_attention=None, cond_output: torch.Tensor | None = None):
+        """(DiT output or None, AccelDecision) of this branch at `step`; `cond_output`: the cond branch's output of
+        this step (the uncond branch of cfg_delta predicts from it)."""
         name = self.spec.name
+        if name == "cfg_delta":
+            return self.cfg_delta(model, step, x, timestep, text, image_embeds, cond_output)
         if name == "guidance_interval":
             start, end = int(self.knob("start")), self.knob("end")
             inside = start <= step and (end is None or step < int(end))
@@ -181,6 +187,16 @@ class BranchCache:
         out = blocks(x0, 0, self.L)
         self.stack_residual = out - x0
         return out, AccelDecision(step, self.branch, "compute", blocks_computed=(0, self.L), metric=metric)
+
+    def cfg_delta(self, model, step, x, timestep, text, image_embeds, cond_output):
+        warmup, interval, cooldown = int(self.knob("warmup")), int(self.knob("interval")), int(self.knob("cooldown"))
+        runs = step < warmup or (step - warmup) % interval == 0 or step >= self.num_steps - cooldown
+        if self.branch == "uncond" and not runs and self.cfg_delta_last is not None:
+            return cond_output - self.cfg_delta_last, AccelDecision(step, self.branch, "predict")
+        out = model(x, timestep, text, image_embeds)
+        if self.branch == "uncond":
+            self.cfg_delta_last = cond_output - out        # cond - uncond of the last step that ran both
+        return out, AccelDecision(step, self.branch, "compute", blocks_computed=(0, self.L))
 
     def taylorseer(self, model, step, x, timestep, text, image_embeds):
         before, interval, after = int(self.knob("before")), int(self.knob("interval")), self.knob("after")

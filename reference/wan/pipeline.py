@@ -179,7 +179,7 @@ class WanReferencePipeline:
             decisions.append(decision)
             if request.uses_cfg:
                 uncond, decision = caches["uncond"].forward(model, step, x, timestep, negative_text, image_embeds,
-                                                            sparse_attention())
+                                                            sparse_attention(), cond_output=velocity)
                 decisions.append(decision)
                 if uncond is not None:   # a skipped uncond branch (guidance interval): the cond velocity alone
                     velocity = cfg_combine(velocity, uncond, request.guidance_for_expert(expert))
@@ -208,7 +208,7 @@ class WanReferencePipeline:
         condition = self.encode_condition(request, tuple(latents.shape)) if request.image is not None else None
         caches = None
         if request.accel is not None:   # one cache per CFG branch for the whole run
-            if cfg.two_experts and request.accel.name in ("fbcache", "dbcache", "taylorseer", "magcache"):
+            if cfg.two_experts and request.accel.name in ("fbcache", "dbcache", "taylorseer", "magcache", "cfg_delta"):
                 raise ValueError(f"wan reference: accel {request.accel.name} on a two-expert model is not supported")
             caches = {b: BranchCache(request.accel, b, request.num_steps, cfg.dit.num_layers)
                       for b in (("cond", "uncond") if request.uses_cfg else ("cond",))}

@@ -42,7 +42,7 @@ from optimized.training.records import BehaviorRecorder, CaptureSpec, behavior_h
 LOOP_ID = "wan.denoise"
 SolverState = unipc.UniPCState | euler.EulerState
 _REQUEST_TOKENS = itertools.count()
-STEP_CACHES = ("fbcache", "dbcache", "taylorseer", "magcache")   # kinds whose state spans steps
+STEP_CACHES = ("fbcache", "dbcache", "taylorseer", "magcache", "cfg_delta")   # kinds whose state spans steps
 
 
 def is_sparse(spec: AccelSpec | None) -> bool:
