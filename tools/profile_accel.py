@@ -2,6 +2,7 @@
 
     python tools/profile_accel.py [--model golden/trained/wan_shapes] [--requests 2] [--repeats 3]
                                   [--accel SPEC ...] [--diffusers] [--graph eager|compile] [--profile SPEC]
+                                  [--steps N]
 
 Rows (default: tools/bench_accel.py ACCELS; --accel adds / replaces specs): wall seconds for the request set (best
 of --repeats, the repeats interleaved round-robin over the rows so a load change on a shared machine hits every row
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--accel", action="append", default=None, help="an accel spec row (repeatable)")
     ap.add_argument("--diffusers", action="store_true")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="denoising steps (default: the evaluation's, parity.quality.evaluate.STEPS)")
     ap.add_argument("--profile", default=None)
     ap.add_argument("--graph", default="eager", choices=("eager", "compile"),
                     help="the engine DiT's graph mode (configure_graph): the exact stack and, since issue 21, the "
@@ -45,6 +48,7 @@ def main(argv=None) -> int:
     from optimized.models.wan import denoise, transformer
     from parity.quality import HELD_OUT
     from parity.quality.evaluate import FRAMES, GUIDANCE, SIZE, STEPS
+    steps = a.steps or STEPS
 
     engine = Engine.from_checkpoint(a.model)
     engine.model.configure_graph(a.graph)
@@ -81,7 +85,7 @@ def main(argv=None) -> int:
         clips = []
         for cap, seed in reqs:
             r = engine.generate(prompt=cap, negative_prompt="", num_frames=FRAMES, height=SIZE[0], width=SIZE[1],
-                                num_steps=STEPS, guidance_scale=GUIDANCE, seed=seed,
+                                num_steps=steps, guidance_scale=GUIDANCE, seed=seed,
                                 **({"accel": accel} if accel else {}))
             clips.append(np.asarray(r.frames))
         return clips, list(decisions)
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
         pipe.set_progress_bar_config(disable=True)
 
         def run_diffusers(_):
-            return diffusers_clips(pipe, reqs, SIZE, FRAMES, STEPS, GUIDANCE, cfg.max_sequence_length), []
+            return diffusers_clips(pipe, reqs, SIZE, FRAMES, steps, GUIDANCE, cfg.max_sequence_length), []
 
     specs = a.accel if a.accel else list(ACCELS.values())
     rows = [("exact", None, run_engine)] + [(s, s, run_engine) for s in specs]

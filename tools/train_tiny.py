@@ -87,7 +87,7 @@ class Recipe:
     vae_steps: int = 300
     vae_batch: int = 8
     vae_lr: float = 2e-3
-    vae_refine_steps: int = 600                  # a second cosine cycle (warm restart) at a smaller batch: 300 steps
+    vae_refine_steps: int = 1500                 # a second cosine cycle (warm restart) at a smaller batch: 300 steps
     vae_refine_batch: int = 4                    # alone leave colours mixed (red decodes as orange / yellow)
     vae_refine_lr: float = 2e-3
     vae_foreground_weight: float = 8.0
@@ -99,7 +99,7 @@ class Recipe:
                                                    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None,
                                                    added_kv_proj_dim=None, rope_max_seq_len=1024,
                                                    pos_embed_seq_len=None))
-    dit_steps: int = 1400
+    dit_steps: int = 3500
     dit_batch: int = 16
     dit_lr: float = 2e-3
     dit_warmup: int = 50
@@ -525,7 +525,10 @@ def main(argv: list[str] | None = None) -> int:
                 table[sub] = type(table[sub])(value)             # a scalar inside a part's config: dit.num_layers=6
             elif sub and isinstance(table, dict) and isinstance(table.get(sub), (tuple, list)) \
                     and all(type(v) is int for v in table[sub]):
-                table[sub] = tuple(int(v) for v in value.split(","))   # an int tuple: dit.patch_size=1,2,2
+                parsed = tuple(int(v) for v in value.split(","))   # an int tuple: dit.patch_size=1,2,2
+                if len(parsed) != len(table[sub]):
+                    raise ValueError(value)
+                table[sub] = parsed
             elif not sub and hasattr(recipe, key) and not isinstance(getattr(recipe, key), (dict, tuple)):
                 setattr(recipe, key, type(getattr(recipe, key))(value))
             else:
