@@ -13,9 +13,10 @@ Three parts, trained in order, each with the reference modules (reference/wan), 
                    latents' scale. Not 4x spatial: the earlier 4x VAE (dim_mult (1, 2, 2)) decoded every ~11 px
                    shape as a blob, its round trips of ground-truth clips scored 0.667 held-out adherence (every
                    square / triangle read as a circle), a ceiling under the 0.90 target that no DiT can pass; this
-                   one's round trips score 0.958 (quality.json autoencoder_ceiling; corners round off, the matched-
-                   template shape classifier reads through that blur; two triangles still decode as blobs)
-    DiT            a tiny Wan DiT (4 layers, dim 128, patch (1, 4, 4): 8 x 8 pixel tokens) trained with the wan objective (rectified flow: x_t = (1 - s) x0 + s noise, target
+                   one's round trips score 1.000 (quality.json autoencoder_ceiling). With a 600-step second cycle
+                   they scored 0.958: two triangles decoded as blobs
+    DiT            a tiny Wan DiT (4 layers, dim 128, patch (1, 4, 4): 8 x 8 pixel tokens), 3500 steps, trained with
+                   the wan objective (rectified flow: x_t = (1 - s) x0 + s noise, target
                    noise - x0, timestep 1000 s; s drawn uniformly then shifted by the scheduler's flow_shift), on the
                    VAE's normalised latents of 5- and 9-frame clips (alternating batches: fvgen's default is 5
                    frames), 10% of captions dropped to "" so CFG has an unconditional branch; an EMA of the weights
@@ -88,7 +89,8 @@ class Recipe:
     vae_batch: int = 8
     vae_lr: float = 2e-3
     vae_refine_steps: int = 1500                 # a second cosine cycle (warm restart) at a smaller batch: 300 steps
-    vae_refine_batch: int = 4                    # alone leave colours mixed (red decodes as orange / yellow)
+    vae_refine_batch: int = 4                    # alone leave colours mixed (red decodes as orange / yellow), 600
+                                                 # leave two held-out triangles blobs
     vae_refine_lr: float = 2e-3
     vae_foreground_weight: float = 8.0
     vae_latent_penalty: float = 1e-3
