@@ -71,7 +71,8 @@ class FastLtx2Connectors:
             front = x.gather(1, order[..., None].expand(-1, -1, D))
             n_valid = keep.sum(1, keepdim=True)
             regs = P[stream + ".learnable_registers"].repeat(L // registers, 1)
-            x = torch.where((torch.arange(L)[None] < n_valid)[..., None], front, regs[None].to(x.dtype))
+            valid = torch.arange(L, device=x.device)[None] < n_valid          # on x's device (was always CPU)
+            x = torch.where(valid[..., None], front, regs[None].to(x.dtype))
         else:
             key_mask = (keep | ~keep.any(-1, keepdim=True))[:, None, None, :]
         ids = torch.arange(L, dtype=torch.float32, device=x.device)
